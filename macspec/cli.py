@@ -1,0 +1,140 @@
+"""The `macspec` command line: one-line docstrings are the --help."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import click
+
+from . import __version__
+from .config import DEFAULT_PROFILE, SECTIONS, list_profiles, load_profile
+from .errors import MacspecError
+
+logger = logging.getLogger("macspec")
+
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+
+
+def complete_profiles(ctx, param, incomplete):
+    try:
+        return [click.shell_completion.CompletionItem(name)
+                for name in sorted(list_profiles()) if name.startswith(incomplete)]
+    except MacspecError:
+        return []
+
+
+profile_option = click.option("--profile", "-p", default=DEFAULT_PROFILE, show_default=True,
+                              shell_complete=complete_profiles,
+                              help="Profile name or path to a .toml file.")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+class MacspecGroup(click.Group):
+    """Turns MacspecError into `Error: ...` and exit code 1, with no traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except MacspecError as err:
+            raise click.ClickException(str(err)) from None
+
+
+@click.group(cls=MacspecGroup)
+@click.version_option(__version__, prog_name="macspec")
+def main():
+    """Serve and run LLMs on Apple Silicon with MLX, fast, with speculative decoding."""
+
+
+@main.command()
+@click.argument("prompt")
+@profile_option
+@click.option("--max-tokens", type=click.IntRange(min=1), help="Tokens to generate.")
+@click.option("--temperature", type=click.FloatRange(0, 10), help="0 = greedy.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), help="Nucleus mass.")
+@click.option("--top-k", type=click.IntRange(min=0), help="Keep the k most likely tokens (0 = off).")
+@click.option("--min-p", type=click.FloatRange(0, 1), help="Drop tokens below min_p * p_max.")
+@click.option("--repetition-penalty", type=click.FloatRange(0, 10, min_open=True), help="1 = off.")
+@click.option("--seed", type=click.IntRange(min=0), help="Sampling seed.")
+@click.option("--method", type=click.Choice(["draft", "mtp", "ngram", "none"]), help="Proposer.")
+@click.option("--num-draft", type=click.IntRange(1, 32), help="Max draft tokens per step (k).")
+@click.option("--adaptive/--fixed-k", default=None, help="Choose k from measurements, or always k.")
+@click.option("--chat/--raw", default=None, help="Apply the chat template (default: the profile's).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS), default="warning", show_default=True)
+def run(prompt, profile, as_json, log_level, **flags):
+    """Generate a continuation of PROMPT (- reads stdin), streamed, then one stats line."""
+    from .run import RunOptions, run_once
+
+    setup_logging(log_level)
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    run_once(load_profile(profile), prompt, RunOptions(as_json=as_json, **flags))
+
+
+@main.group()
+def profiles():
+    """List and inspect profiles."""
+
+
+@profiles.command("list")
+def profiles_list():
+    """Every profile on the search path (./profiles, user dir, built-ins)."""
+    rows = []
+    for name, path in sorted(list_profiles().items()):
+        try:
+            p = load_profile(str(path))
+            rows.append((name, p.speculative.method, p.model.path, p.parallel.tensor_parallel, str(path)))
+        except MacspecError as err:
+            rows.append((name, "INVALID", str(err), "", str(path)))
+    widths = [max(len(str(r[i])) for r in rows + [("NAME", "METHOD", "TARGET", "TP", "FILE")])
+              for i in range(5)]
+    for row in [("NAME", "METHOD", "TARGET", "TP", "FILE"), *rows]:
+        click.echo("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+@profiles.command("show")
+@click.argument("name", shell_complete=complete_profiles)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def profiles_show(name, as_json):
+    """Resolved values of profile NAME and where each came from."""
+    profile = load_profile(name)
+    resolved = profile.resolved()
+    if as_json:
+        out = {"name": profile.name, "file": profile.source, "description": profile.description,
+               **{s: {k: {"value": v, "source": src} for k, (v, src) in t.items()}
+                  for s, t in resolved.items()}}
+        click.echo(json.dumps(out, indent=2))
+        return
+    click.echo(f"profile {profile.name}  ({profile.source})")
+    if profile.description:
+        click.echo(f"  {profile.description}")
+    for section in SECTIONS:
+        click.echo(f"[{section}]")
+        for key, (value, source) in resolved[section].items():
+            origin = "default" if source == "default" else "profile"
+            click.echo(f"  {key} = {json.dumps(value)}  # {origin}")
+
+
+@main.command()
+@click.option("--out", type=click.Path(file_okay=False), required=True, help="Output directory.")
+@click.option("--recipe", type=click.Choice(["full", "smoke"]), default="full", show_default=True)
+@click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
+def forge(out, recipe, log_level):
+    """Train the embedded tokenizer, target, draft and MTP head (offline, CPU)."""
+    from pathlib import Path
+
+    from .forge.build import RECIPES, forge as run_forge
+
+    setup_logging(log_level)
+    report = run_forge(Path(out), RECIPES[recipe])
+    click.echo(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,312 @@
+"""Profiles: TOML files describing hardware, target, speculation, sampling defaults, KV and TP.
+
+One dataclass per TOML table; unknown keys and bad values raise ProfileError naming the file,
+the key, the value and what is allowed. Precedence: CLI flag > profile > default, and every
+resolved value remembers where it came from (`Profile.sources`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from .errors import ProfileError
+
+DEFAULT_PROFILE = "tiny"
+PROFILE_SUFFIX = ".toml"
+HOME_ENV = "MACSPEC_HOME"
+BUILTIN_PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+
+METHODS = ("draft", "mtp", "ngram", "none")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+BACKENDS = ("none", "ring", "jaccl")
+
+
+def _choice(allowed):
+    def check(value):
+        return None if value in allowed else f"one of {', '.join(map(repr, allowed))}"
+    return check
+
+
+def _range(lo=None, hi=None, integer=False):
+    def check(value):
+        kind = "an integer" if integer else "a number"
+        if isinstance(value, bool) or not isinstance(value, (int,) if integer else (int, float)):
+            return kind
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]" if lo is not None else f"<= {hi}"
+            return f"{kind} {bounds}"
+        return None
+    return check
+
+
+def _string(value):
+    return None if isinstance(value, str) and value.strip() else "a non-empty string"
+
+
+def _bool(value):
+    return None if isinstance(value, bool) else "true or false"
+
+
+def _optional(check):
+    return lambda value: None if value is None else check(value)
+
+
+def _string_list(value):
+    ok = isinstance(value, list) and all(isinstance(v, str) and v for v in value)
+    return None if ok else "a list of non-empty strings"
+
+
+def _device_matrix(value):
+    ok = isinstance(value, list) and all(
+        isinstance(row, list) and len(row) == len(value) and all(isinstance(d, str) for d in row)
+        for row in value)
+    return None if ok else "a square list of lists of device names (\"\" on the diagonal)"
+
+
+def spec(default, check, doc: str, factory=None):
+    meta = {"check": check, "doc": doc}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    path: str = spec("embedded:tiny-target", _string,
+                     "target: local dir, Hugging Face id, or embedded:NAME")
+    dtype: str = spec("auto", _choice(DTYPES), "compute dtype; auto = float32 on CPU, as stored elsewhere")
+    revision: str | None = spec(None, _optional(_string), "Hugging Face revision")
+    trust_remote_code: bool = spec(False, _bool, "allow custom tokenizer code")
+    chat: bool = spec(True, _bool, "apply the chat template to prompts (macspec run --chat/--raw)")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str = spec("draft", _choice(METHODS), "proposer")
+    draft_model: str | None = spec(None, _optional(_string), "draft model (method = draft)")
+    num_draft_tokens: int = spec(4, _range(1, 32, integer=True), "max draft tokens per step (k)")
+    adaptive: bool = spec(True, _bool, "choose k per request from measured acceptance and cost")
+    ngram_max: int = spec(4, _range(1, 16, integer=True), "longest n-gram matched (method = ngram)")
+    ngram_min: int = spec(1, _range(1, 16, integer=True), "shortest n-gram matched")
+    probe_min_steps: int = spec(64, _range(1, integer=True), "first probe after turning off")
+    probe_max_steps: int = spec(4096, _range(1, integer=True), "probe interval cap")
+    allow_fallback: bool = spec(False, _bool, "use n-gram when the draft is incompatible")
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = spec(0.0, _range(0.0, 10.0), "0 = greedy")
+    top_p: float = spec(1.0, _range(0.0, 1.0), "nucleus mass kept")
+    top_k: int = spec(0, _range(0, integer=True), "0 = off")
+    min_p: float = spec(0.0, _range(0.0, 1.0), "drop tokens below min_p * p_max")
+    repetition_penalty: float = spec(1.0, _range(0.0, 10.0), "1 = off")
+    repetition_context_size: int = spec(20, _range(1, integer=True), "tokens the penalty looks back")
+    max_tokens: int = spec(256, _range(1, integer=True), "default generation length")
+    seed: int | None = spec(None, _optional(_range(0, integer=True)), "sampling seed")
+
+
+@dataclass
+class KVConfig:
+    max_context: int = spec(4096, _range(16, integer=True), "prompt + generation tokens")
+    prefill_chunk: int = spec(512, _range(1, integer=True), "tokens per prefill forward")
+    kv_bits: int | None = spec(None, _optional(_choice((4, 8))), "quantize the KV cache")
+    kv_group_size: int = spec(64, _choice((32, 64, 128)), "KV quantization group size")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel: int = spec(1, _range(1, 64, integer=True), "ranks the target is sharded over")
+    backend: str = spec("none", _choice(BACKENDS), "mx.distributed backend")
+    hosts: list[str] = spec(None, _string_list, "one host per rank (rank 0 first)",
+                            factory=lambda: ["127.0.0.1"])
+    ibv_devices: list[list[str]] | None = spec(None, _optional(_device_matrix),
+                                              "JACCL: RDMA device per (rank, peer); \"\" on the diagonal")
+    coordinator: str | None = spec(None, _optional(_string), "JACCL coordinator host:port")
+    ssh_user: str | None = spec(None, _optional(_string), "user for ssh to remote hosts")
+
+
+@dataclass
+class HardwareConfig:
+    chip: str | None = spec(None, _optional(_string), "e.g. Apple M3 Ultra")
+    memory_gb: int | None = spec(None, _optional(_range(1, integer=True)), "unified memory per host")
+    wired_limit_mb: int | None = spec(None, _optional(_range(0, integer=True)), "Metal wired limit")
+
+
+@dataclass
+class ServerConfig:
+    host: str = spec("127.0.0.1", _string, "bind address")
+    port: int = spec(8000, _range(0, 65535, integer=True), "0 = any free port")
+    max_batch: int = spec(8, _range(1, 256, integer=True), "requests decoded together")
+    max_queue: int = spec(64, _range(1, integer=True), "waiting requests before 429")
+    api_key_env: str | None = spec(None, _optional(_string), "env var holding the Bearer key")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "speculative": SpeculativeConfig,
+    "sampling": SamplingConfig,
+    "kv": KVConfig,
+    "parallel": ParallelConfig,
+    "hardware": HardwareConfig,
+    "server": ServerConfig,
+}
+TOP_LEVEL = ("name", "description")
+
+
+@dataclass
+class Profile:
+    name: str = DEFAULT_PROFILE
+    description: str = ""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    kv: KVConfig = field(default_factory=KVConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    source: str = "<defaults>"
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def override(self, key: str, value: Any, origin: str) -> None:
+        """Apply `section.key = value` (a CLI flag), validated like a profile value."""
+        section, name = key.split(".")
+        table = getattr(self, section)
+        _set_checked(table, name, value, f"{origin} ({key})", self.source)
+        self.sources[key] = origin
+        _cross_check(self, origin)
+
+    def resolved(self) -> dict[str, dict[str, tuple[Any, str]]]:
+        """section -> key -> (value, where it came from)."""
+        out = {}
+        for section in SECTIONS:
+            table = getattr(self, section)
+            out[section] = {
+                f.name: (getattr(table, f.name), self.sources.get(f"{section}.{f.name}", "default"))
+                for f in fields(table)
+            }
+        return out
+
+
+def _set_checked(table, name: str, value: Any, where: str, file: str) -> None:
+    known = {f.name: f for f in fields(table)}
+    if name not in known:
+        raise ProfileError(
+            f"{file}: unknown key {where!s}; allowed keys: {', '.join(sorted(known))}"
+        )
+    if isinstance(value, int) and not isinstance(value, bool) and known[name].type in ("float", "float | None"):
+        value = float(value)
+    problem = known[name].metadata["check"](value)
+    if problem:
+        raise ProfileError(f"{file}: {where} = {value!r} is invalid; expected {problem}")
+    setattr(table, name, value)
+
+
+def _cross_check(profile: Profile, file: str) -> None:
+    spec_cfg, par = profile.speculative, profile.parallel
+    if spec_cfg.method == "draft" and not spec_cfg.draft_model:
+        raise ProfileError(f"{file}: speculative.method = 'draft' needs speculative.draft_model")
+    if spec_cfg.ngram_min > spec_cfg.ngram_max:
+        raise ProfileError(f"{file}: speculative.ngram_min = {spec_cfg.ngram_min} exceeds "
+                           f"speculative.ngram_max = {spec_cfg.ngram_max}")
+    if spec_cfg.probe_min_steps > spec_cfg.probe_max_steps:
+        raise ProfileError(f"{file}: speculative.probe_min_steps exceeds probe_max_steps")
+    if par.tensor_parallel > 1 and par.backend == "none":
+        raise ProfileError(f"{file}: parallel.tensor_parallel = {par.tensor_parallel} needs "
+                           "parallel.backend = 'ring' or 'jaccl'")
+    if par.tensor_parallel > 1 and len(par.hosts) not in (1, par.tensor_parallel):
+        raise ProfileError(f"{file}: parallel.hosts has {len(par.hosts)} entries; expected "
+                           f"{par.tensor_parallel} (one per rank) for tensor_parallel = {par.tensor_parallel}")
+
+
+def profile_from_dict(data: dict, source: str) -> Profile:
+    profile = Profile(source=source)
+    for key, value in data.items():
+        if key in TOP_LEVEL:
+            if not isinstance(value, str):
+                raise ProfileError(f"{source}: {key} = {value!r} is invalid; expected a string")
+            setattr(profile, key, value)
+        elif key in SECTIONS:
+            if not isinstance(value, dict):
+                raise ProfileError(f"{source}: [{key}] must be a table, got {value!r}")
+            table = getattr(profile, key)
+            for name, item in value.items():
+                _set_checked(table, name, item, f"{key}.{name}", source)
+                profile.sources[f"{key}.{name}"] = source
+        else:
+            allowed = ", ".join([*TOP_LEVEL, *(f"[{s}]" for s in SECTIONS)])
+            raise ProfileError(f"{source}: unknown key {key!r}; allowed: {allowed}")
+    _cross_check(profile, source)
+    return profile
+
+
+def load_profile_file(path: Path) -> Profile:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ProfileError(f"{path}: cannot read profile: {err.strerror or err}") from None
+    except UnicodeDecodeError:
+        raise ProfileError(f"{path}: profile is not UTF-8 text") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ProfileError(f"{path}: invalid TOML: {err}") from None
+    profile = profile_from_dict(data, str(path))
+    if "name" not in data:
+        profile.name = path.stem
+    return profile
+
+
+def user_dir() -> Path:
+    """Where user profiles live; MACSPEC_HOME overrides (tests use it)."""
+    home = os.environ.get(HOME_ENV)
+    if home:
+        return Path(home)
+    import platformdirs
+
+    return Path(platformdirs.user_config_dir("macspec"))
+
+
+def profile_dirs() -> list[Path]:
+    return [Path.cwd() / "profiles", user_dir() / "profiles", BUILTIN_PROFILE_DIR]
+
+
+def _looks_like_path(name: str) -> bool:
+    return os.sep in name or "/" in name or name.endswith(PROFILE_SUFFIX)
+
+
+def find_profile(name: str) -> Path:
+    if _looks_like_path(name):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise ProfileError(f"{path}: profile file not found")
+        return path
+    for directory in profile_dirs():
+        candidate = directory / f"{name}{PROFILE_SUFFIX}"
+        if candidate.is_file():
+            return candidate
+    searched = ", ".join(str(d) for d in profile_dirs())
+    known = ", ".join(sorted(list_profiles())) or "none"
+    raise ProfileError(f"profile {name!r} not found (searched {searched}); known profiles: {known}")
+
+
+def load_profile(name: str | None) -> Profile:
+    return load_profile_file(find_profile(name or DEFAULT_PROFILE))
+
+
+def list_profiles() -> dict[str, Path]:
+    """name -> file, earlier search-path entries shadowing later ones."""
+    found: dict[str, Path] = {}
+    for directory in profile_dirs():
+        if directory.is_dir():
+            for path in sorted(directory.glob(f"*{PROFILE_SUFFIX}")):
+                found.setdefault(path.stem, path)
+    return found

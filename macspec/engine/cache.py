@@ -1,0 +1,59 @@
+"""KV caches that speculation can roll back, and the small operations on them."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from ..errors import UnsupportedModelError
+
+
+def make_trimmable_cache(model: nn.Module) -> list:
+    """A per-layer cache where every entry can drop its last n positions.
+
+    Sliding-window layers get a full KVCache: the model still masks by its window, but the
+    rejected positions stay recoverable. Recurrent state (SSM, linear attention) cannot be
+    rolled back, so refuse it by name rather than corrupt it.
+    """
+    cache = make_prompt_cache(model)
+    out = []
+    for index, layer_cache in enumerate(cache):
+        if isinstance(layer_cache, RotatingKVCache):
+            layer_cache = KVCache()
+        elif not _is_trimmable_type(layer_cache):
+            raise UnsupportedModelError(
+                f"layer {index} uses {type(layer_cache).__name__}, which cannot be rolled back; "
+                "speculative decoding needs trimmable (attention KV) caches; use --method none"
+            )
+        out.append(layer_cache)
+    return out
+
+
+def _is_trimmable_type(layer_cache) -> bool:
+    if hasattr(layer_cache, "caches"):  # CacheList of sub-caches
+        return all(_is_trimmable_type(c) for c in layer_cache.caches)
+    return callable(getattr(layer_cache, "trim", None)) and layer_cache.is_trimmable()
+
+
+def trim(cache: list, num_tokens: int) -> None:
+    if num_tokens > 0:
+        for layer_cache in cache:
+            layer_cache.trim(num_tokens)
+
+
+def cache_length(cache: list) -> int:
+    return cache[0].offset if cache else 0
+
+
+def quantize_cache(cache: list, bits: int, group_size: int) -> list:
+    return [c.to_quantized(group_size=group_size, bits=bits) if isinstance(c, KVCache) else c
+            for c in cache]
+
+
+def cache_nbytes(cache: list) -> int:
+    return sum(getattr(c, "nbytes", 0) for c in cache)
+
+
+def eval_cache(cache: list) -> None:
+    mx.eval([c.state for c in cache])

@@ -1,0 +1,74 @@
+"""Everything loaded for a profile: target, proposer models, and how to make proposers."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ..config import Profile
+from ..errors import IncompatibleDraftError, MacspecError
+from ..models.compat import check_draft_compatible
+from ..models.loader import LoadedModel, load_model, load_mtp_head
+from ..models.mtp import MTPHead
+from ..models.target import TargetView
+from ..spec.base import Proposer
+from ..spec.draft import DraftProposer
+from ..spec.mtp import MTPProposer
+from ..spec.ngram import NgramProposer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    profile: Profile
+    target: LoadedModel
+    method: str
+    draft: LoadedModel | None = None
+    mtp_head: MTPHead | None = None
+
+    @property
+    def view(self) -> TargetView:
+        return TargetView(self.target.model)
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    def make_proposer(self) -> Proposer | None:
+        spec = self.profile.speculative
+        if self.method == "draft":
+            return DraftProposer(self.draft.model, self.profile.kv.prefill_chunk)
+        if self.method == "mtp":
+            return MTPProposer(self.mtp_head, self.view)
+        if self.method == "ngram":
+            return NgramProposer(spec.ngram_max, spec.ngram_min)
+        return None
+
+    @classmethod
+    def load(cls, profile: Profile) -> "Runtime":
+        m = profile.model
+        target = load_model(m.path, m.dtype, m.revision, m.trust_remote_code)
+        method = profile.speculative.method
+        runtime = cls(profile, target, method)
+        if method == "draft":
+            runtime._attach_draft()
+        elif method == "mtp":
+            runtime.mtp_head = load_mtp_head(target)
+        logger.info("loaded %s (method %s)", target.path, runtime.method)
+        return runtime
+
+    def _attach_draft(self) -> None:
+        spec, m = self.profile.speculative, self.profile.model
+        if not spec.draft_model:
+            raise MacspecError("method 'draft' needs speculative.draft_model in the profile")
+        draft = load_model(spec.draft_model, m.dtype, None, m.trust_remote_code)
+        try:
+            check_draft_compatible(self.target.tokenizer, draft.tokenizer, m.path, spec.draft_model)
+        except IncompatibleDraftError as err:
+            if not spec.allow_fallback:
+                raise
+            logger.warning("%s; falling back to n-gram proposals (allow_fallback = true)", err)
+            self.method = "ngram"
+            return
+        self.draft = draft

@@ -1,0 +1,1 @@
+"""Offline forge of the embedded model family: tokenizer, target, distilled draft, MTP head."""

@@ -1,0 +1,160 @@
+"""Load target, draft and MTP head: embedded names, local dirs, or Hugging Face ids."""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import ModelLoadError, UnsupportedModelError
+from .mtp import MTPHead, make_block_like
+from .target import TargetView
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_PREFIX = "embedded:"
+EMBEDDED_DIR = Path(__file__).resolve().parent.parent / "assets" / "models"
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: object  # mlx_lm TokenizerWrapper
+    path: Path
+    config: dict
+
+
+def embedded_names() -> list[str]:
+    return sorted(p.name for p in EMBEDDED_DIR.iterdir() if (p / "config.json").is_file()) \
+        if EMBEDDED_DIR.is_dir() else []
+
+
+def resolve_path(spec: str, revision: str | None = None) -> Path:
+    """embedded:NAME -> the shipped dir; an existing path -> itself; else a Hugging Face id."""
+    if spec.startswith(EMBEDDED_PREFIX):
+        name = spec[len(EMBEDDED_PREFIX):]
+        path = EMBEDDED_DIR / name
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"no embedded model {name!r}; embedded models: "
+                                 f"{', '.join(embedded_names()) or 'none'}")
+        return path
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path}: not a model directory (no config.json)")
+        return path
+    if spec.count("/") != 1 or spec.startswith((".", "/", "~")):
+        raise ModelLoadError(f"model {spec!r}: no such directory, and not a Hugging Face id (owner/name)")
+    return _download(spec, revision)
+
+
+def _download(repo_id: str, revision: str | None) -> Path:
+    from mlx_lm.utils import _download as mlx_download
+
+    try:
+        return Path(mlx_download(repo_id, revision=revision))
+    except Exception as err:  # huggingface_hub raises many types (offline, 404, auth)
+        raise ModelLoadError(f"cannot fetch {repo_id!r} from Hugging Face: {type(err).__name__}: "
+                             f"{err}. Download it first (huggingface-cli download {repo_id}) or "
+                             "give a local path.") from None
+
+
+def compute_dtype(requested: str) -> mx.Dtype | None:
+    """auto: float32 on CPU (half and quantized matmuls are slow there), as stored elsewhere."""
+    if requested == "auto":
+        return mx.float32 if mx.default_device() == mx.cpu else None
+    return getattr(mx, requested)
+
+
+def load_model(spec: str, dtype: str = "auto", revision: str | None = None,
+               trust_remote_code: bool = False) -> LoadedModel:
+    from mlx_lm.utils import load as mlx_load
+
+    path = resolve_path(spec, revision)
+    try:
+        model, tokenizer, config = mlx_load(str(path), return_config=True,
+                                            trust_remote_code=trust_remote_code)
+    except (ValueError, FileNotFoundError, KeyError, OSError) as err:
+        raise ModelLoadError(f"{path}: cannot load model: {err}") from None
+    target_dtype = compute_dtype(dtype)
+    if target_dtype is not None:
+        model.set_dtype(target_dtype)
+    mx.eval(model.parameters())
+    return LoadedModel(model, tokenizer, path, config)
+
+
+def _mtp_weight_files(path: Path, layer: int) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    prefix = f"model.layers.{layer}."
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {path / f for k, f in weight_map.items() if k.startswith(prefix)}
+        files.update(Path(f) for f in glob.glob(str(path / "mtp*.safetensors")))
+        return sorted(files)
+    return sorted(Path(f) for f in glob.glob(str(path / "*.safetensors")))
+
+
+def _dequantize(weights: dict[str, mx.array], config: dict) -> dict[str, mx.array]:
+    quant = config.get("quantization") or config.get("quantization_config") or {}
+    out = {}
+    for key, value in weights.items():
+        if key.endswith(".scales") or key.endswith(".biases"):
+            continue
+        base = key[: -len(".weight")] if key.endswith(".weight") else None
+        if base and f"{base}.scales" in weights:
+            value = mx.dequantize(value, weights[f"{base}.scales"], weights.get(f"{base}.biases"),
+                                  group_size=quant.get("group_size", 64), bits=quant.get("bits", 4))
+        out[key] = value
+    return out
+
+
+def load_mtp_head(target: LoadedModel) -> MTPHead:
+    """The MTP layer `model.layers.{num_hidden_layers}.*` from the target's own files."""
+    config, path = target.config, target.path
+    layer = config.get("num_hidden_layers")
+    if not config.get("num_nextn_predict_layers"):
+        raise UnsupportedModelError(
+            f"{path}: the config has no MTP layer (num_nextn_predict_layers is 0 or missing); "
+            "use --method draft or ngram")
+    view = TargetView(target.model)
+    if not view.matches_full_forward(mx.array([[0, 1, 2]])):
+        raise UnsupportedModelError(f"{path}: this architecture transforms the hidden state "
+                                    "after the final norm; MTP needs it exactly")
+    prefix = f"model.layers.{layer}."
+    weights: dict[str, mx.array] = {}
+    for file in _mtp_weight_files(path, layer):
+        weights.update({k: v for k, v in mx.load(str(file)).items() if k.startswith(prefix)})
+    if not weights:
+        raise UnsupportedModelError(
+            f"{path}: config declares an MTP layer but no weights named {prefix}* were found "
+            "(mlx_lm.convert strips them; keep them when converting, or use --method draft)")
+    if any(k.endswith(".scales") for k in weights):
+        logger.warning("MTP weights in %s are quantized; dequantizing them (quantized MTP heads "
+                       "lose most of their acceptance)", path)
+        weights = _dequantize(weights, config)
+    return _build_head(target.model, weights, layer, config)
+
+
+def _build_head(model: nn.Module, weights: dict[str, mx.array], layer: int, config: dict) -> MTPHead:
+    # The embedding and output head are shared with the target (DeepSeek-V3); drop copies.
+    shared = (f"model.layers.{layer}.embed_tokens.", f"model.layers.{layer}.shared_head.head.")
+    weights = {k: v for k, v in weights.items() if not k.startswith(shared)}
+    # Expert weights may be stored per expert; the target's sanitize stacks them for layer 0.
+    as_layer0 = {k.replace(f"model.layers.{layer}.", "model.layers.0.", 1): v for k, v in weights.items()}
+    if hasattr(model, "sanitize"):
+        as_layer0 = model.sanitize(dict(as_layer0))
+    params = MTPHead.from_layout(as_layer0, 0)
+    hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
+    head = MTPHead(make_block_like(model, layer), hidden, eps)
+    try:
+        head.load_weights(list(params.items()), strict=True)
+    except ValueError as err:
+        raise UnsupportedModelError(f"MTP layer {layer} does not match the target's block: {err}") from None
+    head.set_dtype(model.model.norm.weight.dtype)  # the compute dtype, even when quantized
+    mx.eval(head.parameters())
+    return head

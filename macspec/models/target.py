@@ -1,0 +1,39 @@
+"""A uniform view of an mlx-lm causal LM: embeddings, final normed hidden state, logits.
+
+Speculation needs the hidden state the logits are computed from (MTP input), and mlx-lm
+models expose it as `model.model(...)`; the head is `lm_head` or the tied embeddings.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class TargetView:
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.inner = model.model
+        self.tied = not hasattr(model, "lm_head")
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.inner.embed_tokens(tokens)
+
+    def hidden(self, tokens: mx.array, cache=None) -> mx.array:
+        return self.inner(tokens, cache=cache)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        if self.tied:
+            return self.inner.embed_tokens.as_linear(hidden)
+        return self.model.lm_head(hidden)
+
+    def forward(self, tokens: mx.array, cache=None) -> tuple[mx.array, mx.array]:
+        """-> (logits, hidden) in one pass."""
+        h = self.hidden(tokens, cache)
+        return self.logits(h), h
+
+    def matches_full_forward(self, tokens: mx.array) -> bool:
+        """True when hidden->logits reproduces model(tokens) (no soft-capping etc. in between)."""
+        direct = self.model(tokens)
+        via_hidden, _ = self.forward(tokens)
+        return bool(mx.allclose(direct, via_hidden, atol=1e-3, rtol=1e-3).item())

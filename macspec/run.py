@@ -1,0 +1,96 @@
+"""`macspec run`: one prompt, streamed through the speculative engine, then its stats."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+
+import click
+
+from .blas import blas_info
+from .config import Profile
+from .engine.generator import Generator
+from .engine.runtime import Runtime
+from .engine.sampling import SamplingParams
+
+# CLI flag -> profile key it overrides (CLI flag > profile > default).
+FLAG_KEYS = {
+    "max_tokens": "sampling.max_tokens",
+    "temperature": "sampling.temperature",
+    "top_p": "sampling.top_p",
+    "top_k": "sampling.top_k",
+    "min_p": "sampling.min_p",
+    "repetition_penalty": "sampling.repetition_penalty",
+    "seed": "sampling.seed",
+    "method": "speculative.method",
+    "num_draft": "speculative.num_draft_tokens",
+    "adaptive": "speculative.adaptive",
+    "chat": "model.chat",
+}
+
+
+@dataclass
+class RunOptions:
+    as_json: bool = False
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    method: str | None = None
+    num_draft: int | None = None
+    adaptive: bool | None = None
+    chat: bool | None = None
+
+
+def apply_flags(profile: Profile, opts: RunOptions) -> None:
+    for flag, key in FLAG_KEYS.items():
+        value = getattr(opts, flag)
+        if value is not None:
+            profile.override(key, value, f"--{flag.replace('_', '-')}")
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if chat and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": prompt}]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    return list(tokenizer.encode(prompt, add_special_tokens=False)) or list(tokenizer.encode(prompt))
+
+
+def stats_line(stats: dict, blas: str) -> str:
+    k = f"k<={stats['k_max']} (mean {stats['spec']['mean_k']:.2f})" if stats["method"] != "none" else "k=0"
+    return (f"prompt {stats['prompt_tokens']} tok | TTFT {stats['ttft_s'] * 1e3:.1f} ms | "
+            f"decode {stats['decode_tokens_per_s']:.1f} tok/s ({stats['generated_tokens']} tok) | "
+            f"method {stats['method']} {k} | acceptance {stats['acceptance_rate']:.2f} | "
+            f"{stats['tokens_per_forward']:.2f} tok/forward | BLAS {blas}")
+
+
+def run_once(profile: Profile, prompt: str, opts: RunOptions) -> dict:
+    apply_flags(profile, opts)
+    runtime = Runtime.load(profile)
+    tokens = encode_prompt(runtime.tokenizer, prompt, profile.model.chat)
+    generator = Generator(runtime, SamplingParams.from_config(profile.sampling),
+                          profile.sampling.max_tokens)
+    detok = runtime.tokenizer.detokenizer
+    detok.reset()
+    for step in generator.generate(tokens):
+        for token in step:
+            detok.add_token(token)
+        if not opts.as_json and detok.last_segment:
+            sys.stdout.write(detok.last_segment)
+            sys.stdout.flush()
+    detok.finalize()
+    stats = generator.stats.as_dict()
+    result = {"profile": profile.name, "text": detok.text, "blas": blas_info().as_dict(), **stats}
+    if opts.as_json:
+        click.echo(json.dumps(result))
+    else:
+        sys.stdout.write(detok.last_segment + "\n")
+        sys.stdout.flush()
+        click.echo(stats_line(stats, blas_info().name), err=True)
+    if runtime.method != profile.speculative.method:
+        result["requested_method"] = profile.speculative.method
+    return result

@@ -1,0 +1,44 @@
+"""A smaller model with the target's tokenizer proposes by decoding k tokens ahead."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..engine.cache import make_trimmable_cache, trim
+from .base import Proposal, Proposer, decode_chain, first_divergence
+
+
+class DraftProposer(Proposer):
+    name = "draft"
+
+    def __init__(self, model: nn.Module, prefill_chunk: int = 512):
+        self.model = model
+        self.prefill_chunk = prefill_chunk
+        self.cache: list = []
+        self.cached_tokens: list[int] = []
+
+    def start(self, prompt, prompt_hidden) -> None:
+        # The prompt is fed lazily by the first propose(), after the first token is out (TTFT).
+        self.cache = make_trimmable_cache(self.model)
+        self.cached_tokens = []
+
+    def _sync(self, committed: list[int]) -> mx.array:
+        """Roll the cache back to its agreement with `committed`, feed the rest; last logits."""
+        keep = min(first_divergence(self.cached_tokens, committed), len(committed) - 1)
+        trim(self.cache, len(self.cached_tokens) - keep)
+        pending = committed[keep:]
+        for start in range(0, len(pending) - 1, self.prefill_chunk):
+            chunk = pending[start:min(start + self.prefill_chunk, len(pending) - 1)]
+            self.model(mx.array(chunk)[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+        logits = self.model(mx.array(pending[-1:])[None], cache=self.cache)
+        self.cached_tokens = list(committed)
+        return logits[0, -1]
+
+    def propose(self, committed, k, params, rng) -> Proposal:
+        def advance(token: int) -> mx.array:
+            self.cached_tokens.append(token)
+            return self.model(mx.array([[token]]), cache=self.cache)[0, -1]
+
+        return decode_chain(self._sync(committed), k, committed, params, rng, advance)
