@@ -38,9 +38,12 @@ RECIPES = {
     # A few steps on a slice of the corpus: proves the pipeline, not the quality.
     "smoke": ForgeRecipe(
         vocab_size=512, hidden=64, target_layers=2, heads=2, kv_heads=1, intermediate=128,
-        target=train.TrainSchedule(steps=3, batch_size=2, seq_len=32, warmup=1, log_every=1),
-        draft=train.TrainSchedule(steps=2, batch_size=2, seq_len=32, warmup=1, log_every=1),
-        mtp=train.TrainSchedule(steps=2, batch_size=2, seq_len=32, warmup=1, log_every=1),
+        target=train.TrainSchedule(steps=3, batch_size=2, seq_len=32, warmup=1, log_every=1,
+                                     compile=False),
+        draft=train.TrainSchedule(steps=2, batch_size=2, seq_len=32, warmup=1, log_every=1,
+                                     compile=False),
+        mtp=train.TrainSchedule(steps=2, batch_size=2, seq_len=32, warmup=1, log_every=1,
+                                     compile=False),
         max_train_files=20,
     ),
 }

@@ -27,6 +27,7 @@ class TrainSchedule:
     lr: float = 3e-3
     warmup: int = 50
     log_every: int = 50
+    compile: bool = True  # pays ~20 s up front, then ~15% faster steps
 
 
 def llama_config(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int,
@@ -73,12 +74,14 @@ def _run(module: nn.Module, loss_fn, make_inputs, sched: TrainSchedule, seed: in
     optimizer = _optimizer(sched)
     state = [module.state, optimizer.state]
 
-    @partial(mx.compile, inputs=state, outputs=state)
     def step(*inputs):
         loss, grads = nn.value_and_grad(module, loss_fn)(*inputs)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         optimizer.update(module, grads)
         return loss
+
+    if sched.compile:
+        step = partial(mx.compile, inputs=state, outputs=state)(step)
 
     batches = sample_batches(tokens, sched, seed)
     start, running = time.perf_counter(), None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,12 @@ from .target import TargetView
 logger = logging.getLogger(__name__)
 
 EMBEDDED_PREFIX = "embedded:"
-EMBEDDED_DIR = Path(__file__).resolve().parent.parent / "assets" / "models"
+EMBEDDED_ENV = "MACSPEC_EMBEDDED_DIR"  # point embedded:NAME at another forge output
+
+
+def embedded_dir() -> Path:
+    override = os.environ.get(EMBEDDED_ENV)
+    return Path(override) if override else Path(__file__).resolve().parent.parent / "assets" / "models"
 
 
 @dataclass
@@ -30,15 +36,16 @@ class LoadedModel:
 
 
 def embedded_names() -> list[str]:
-    return sorted(p.name for p in EMBEDDED_DIR.iterdir() if (p / "config.json").is_file()) \
-        if EMBEDDED_DIR.is_dir() else []
+    root = embedded_dir()
+    return sorted(p.name for p in root.iterdir() if (p / "config.json").is_file()) \
+        if root.is_dir() else []
 
 
 def resolve_path(spec: str, revision: str | None = None) -> Path:
     """embedded:NAME -> the shipped dir; an existing path -> itself; else a Hugging Face id."""
     if spec.startswith(EMBEDDED_PREFIX):
         name = spec[len(EMBEDDED_PREFIX):]
-        path = EMBEDDED_DIR / name
+        path = embedded_dir() / name
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"no embedded model {name!r}; embedded models: "
                                  f"{', '.join(embedded_names()) or 'none'}")

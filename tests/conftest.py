@@ -1,0 +1,65 @@
+"""Shared fixtures: the embedded tiny family, held-out prompts, an isolated user dir."""
+
+from __future__ import annotations
+
+import macspec  # noqa: F401  (loads the fast BLAS before mlx)
+
+import pytest
+
+from macspec.config import load_profile
+from macspec.engine.generator import Generator
+from macspec.engine.runtime import Runtime
+from macspec.engine.sampling import SamplingParams
+from macspec.forge import corpus
+
+METHOD_PROFILES = {"draft": "tiny", "mtp": "tiny-mtp", "ngram": "tiny-ngram", "none": "tiny"}
+
+
+@pytest.fixture(autouse=True)
+def isolated_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("MACSPEC_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+_RUNTIMES: dict[str, Runtime] = {}
+
+
+def tiny_runtime(method: str) -> Runtime:
+    if method not in _RUNTIMES:
+        profile = load_profile(METHOD_PROFILES[method])
+        profile.speculative.method = method
+        _RUNTIMES[method] = Runtime.load(profile)
+    return _RUNTIMES[method]
+
+
+@pytest.fixture(scope="session")
+def runtime_for():
+    return tiny_runtime
+
+
+def generate(runtime: Runtime, prompt: list[int], max_tokens: int, params: SamplingParams,
+             k: int | None = None, adaptive: bool = False) -> tuple[list[int], Generator]:
+    gen = Generator(runtime, params, max_tokens, num_draft=k, adaptive=adaptive)
+    tokens = [t for step in gen.generate(prompt) for t in step]
+    return tokens, gen
+
+
+def heldout_prompts(tokenizer, count: int = 24) -> list[list[int]]:
+    """Snippets of held-out stdlib files: openings, middles, and file ends (which invite EOS)."""
+    texts = [t for t in corpus.read_texts(heldout=True) if len(t) > 600]
+    prompts = []
+    for i, text in enumerate(texts[:count]):
+        if i % 3 == 0:
+            snippet = text[:240]
+        elif i % 3 == 1:
+            middle = len(text) // 2
+            snippet = text[middle:middle + 200]
+        else:
+            snippet = text[-160:]
+        prompts.append(tokenizer.encode(snippet, add_special_tokens=False))
+    return prompts
+
+
+@pytest.fixture(scope="session")
+def prompts():
+    return heldout_prompts(tiny_runtime("none").tokenizer)

@@ -1,0 +1,123 @@
+"""Speculative sampling keeps the target's distribution (chi-square against the exact one)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+import mlx.core as mx
+
+from macspec.config import Profile
+from macspec.engine.runtime import Runtime
+from macspec.engine.sampling import SamplingParams, processed_logprobs
+from macspec.models.loader import load_model, load_mtp_head
+
+from .conftest import generate
+from .modeldirs import (build_model, random_mtp_head, save_model, tiny_llama_config,
+                        write_word_tokenizer)
+
+VOCAB = 8
+PROMPT = [1, 2, 3, 1]
+NUM_SAMPLES = 2000
+MIN_P_VALUE = 1e-3
+SCALE = 4.0  # sharpens the random heads: entropies well between one-hot and uniform
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tinyvocab")
+    # Untied head: with tied embeddings a random model just repeats its input token.
+    config = tiny_llama_config(VOCAB, tied=False)
+    target = build_model(config, seed=1, scale=SCALE)
+    head = random_mtp_head(target, config, seed=3)
+    dirs = {"target": save_model(target, config, root / "target", mtp_head=head),
+            "draft": save_model(build_model(config, seed=2, scale=SCALE), config, root / "draft")}
+    for d in dirs.values():
+        write_word_tokenizer(d, [chr(ord("a") + i) for i in range(VOCAB)])
+    return dirs
+
+
+def make_runtime(dirs, method: str) -> Runtime:
+    profile = Profile()
+    profile.model.path = str(dirs["target"])
+    profile.speculative.method = method
+    target = load_model(str(dirs["target"]))
+    runtime = Runtime(profile, target, method)
+    if method == "draft":
+        runtime.draft = load_model(str(dirs["draft"]))
+    if method == "mtp":
+        runtime.mtp_head = load_mtp_head(target)
+    return runtime
+
+
+def exact_joint(runtime: Runtime, params: SamplingParams) -> np.ndarray:
+    """P(t1, t2, t3) for the first three generated tokens, from the target alone."""
+    model = runtime.target.model
+
+    def dist(history):
+        logits = model(mx.array(history)[None])[0, -1:]
+        return np.array(mx.exp(processed_logprobs(logits, [history], params))[0])
+
+    joint = np.zeros((VOCAB,) * 3)
+    p1 = dist(PROMPT)
+    for t1 in range(VOCAB):
+        p2 = dist(PROMPT + [t1])
+        for t2 in range(VOCAB):
+            joint[t1, t2] = p1[t1] * p2[t2] * dist(PROMPT + [t1, t2])
+    return joint
+
+
+def chi_square_p(counts: np.ndarray, expected_probs: np.ndarray) -> float:
+    expected = expected_probs.ravel() * counts.sum()
+    observed = counts.ravel()
+    small = expected < 5  # pool sparse cells so the chi-square approximation holds
+    obs = np.append(observed[~small], observed[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    return chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
+
+
+CONFIGS = {
+    "t1": SamplingParams(temperature=1.0),
+    "processed": SamplingParams(temperature=0.8, top_k=5, top_p=0.95, repetition_penalty=1.3),
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("method", ["draft", "mtp", "ngram"])
+def test_speculative_sampling_matches_target_distribution(tiny_vocab_dirs, method, config):
+    runtime = make_runtime(tiny_vocab_dirs, method)
+    base = CONFIGS[config]
+    joint = exact_joint(runtime, base)
+    counts = np.zeros((VOCAB,) * 3)
+    drafted = accepted = 0
+    for i in range(NUM_SAMPLES):
+        params = SamplingParams(**{**base.__dict__, "seed": 10_000 + i})
+        tokens, gen = generate(runtime, PROMPT, 4, params, k=2)  # t2, t3 from one verify
+        counts[tuple(tokens[:3])] += 1
+        drafted += gen.stats.spec.num_drafted
+        accepted += gen.stats.spec.num_accepted
+    assert drafted > NUM_SAMPLES // 2, "speculation must actually run"
+    assert 0 < accepted < drafted, "a partial-acceptance regime exercises the rejection path"
+    assert chi_square_p(counts.sum(2), joint.sum(2)) > MIN_P_VALUE  # (t1, t2)
+    assert chi_square_p(counts.sum((0, 1)), joint.sum((0, 1))) > MIN_P_VALUE  # t3
+    assert chi_square_p(counts.sum((0, 2)), joint.sum((0, 2))) > MIN_P_VALUE  # t2
+
+
+def test_exact_match_acceptance_would_be_caught(tiny_vocab_dirs):
+    """Power check: sampling the draft's argmax instead of the target fails the same test."""
+    runtime = make_runtime(tiny_vocab_dirs, "none")
+    joint = exact_joint(runtime, CONFIGS["t1"])
+    draft = load_model(str(tiny_vocab_dirs["draft"])).model
+    counts = np.zeros((VOCAB, VOCAB))
+    rng = np.random.default_rng(0)
+    p1 = joint.sum((1, 2)).astype(np.float64)
+    p1 /= p1.sum()
+    for _ in range(NUM_SAMPLES):
+        t1 = rng.choice(VOCAB, p=p1)
+        t2 = int(mx.argmax(draft(mx.array(PROMPT + [t1])[None])[0, -1]).item())
+        counts[t1, t2] += 1
+    assert chi_square_p(counts, joint.sum(2)) < MIN_P_VALUE

@@ -1,0 +1,57 @@
+"""Speculative greedy output equals plain greedy output, token for token."""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm.generate import generate_step
+
+import mlx.core as mx
+
+from macspec.engine.sampling import SamplingParams
+
+from .conftest import generate
+
+MAX_TOKENS = 40
+PLAIN = SamplingParams()
+PENALIZED = SamplingParams(repetition_penalty=1.3)
+
+_reference: dict = {}
+
+
+def plain_outputs(runtime_for, prompts, params):
+    key = params.repetition_penalty
+    if key not in _reference:
+        runtime = runtime_for("none")
+        runs = [generate(runtime, p, MAX_TOKENS, params) for p in prompts]
+        _reference[key] = [(tokens, gen.stats.finish_reason) for tokens, gen in runs]
+    return _reference[key]
+
+
+def test_prompts_cover_eos_and_max_tokens(runtime_for, prompts):
+    reasons = [reason for _, reason in plain_outputs(runtime_for, prompts, PLAIN)]
+    assert len(prompts) >= 20
+    assert "stop" in reasons and "length" in reasons
+
+
+def test_plain_matches_mlx_lm_greedy(runtime_for, prompts):
+    runtime = runtime_for("none")
+    for prompt, (ours, _) in zip(prompts[:6], plain_outputs(runtime_for, prompts, PLAIN)):
+        theirs = []
+        for token, _ in generate_step(mx.array(prompt), runtime.target.model, max_tokens=len(ours)):
+            theirs.append(int(token))
+        assert ours == theirs[: len(ours)]
+
+
+@pytest.mark.parametrize("params", [PLAIN, PENALIZED], ids=["plain", "repetition-penalty"])
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("method", ["draft", "mtp", "ngram"])
+def test_speculative_greedy_equals_plain(runtime_for, prompts, method, k, params):
+    runtime = runtime_for(method)
+    reference = plain_outputs(runtime_for, prompts, params)
+    drafted = 0
+    for prompt, (expected, reason) in zip(prompts, reference):
+        tokens, gen = generate(runtime, prompt, MAX_TOKENS, params, k=k)
+        assert tokens == expected, f"{method} k={k} diverged on prompt {prompt[:8]}"
+        assert gen.stats.finish_reason == reason
+        drafted += gen.stats.spec.num_drafted
+    assert drafted > 0, "the proposer never proposed: the test would prove nothing"
