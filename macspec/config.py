@@ -91,7 +91,7 @@ class ModelConfig:
 
 @dataclass
 class SpeculativeConfig:
-    method: str = spec("draft", _choice(METHODS), "proposer")
+    method: str = spec("ngram", _choice(METHODS), "proposer (ngram needs no extra model)")
     draft_model: str | None = spec(None, _optional(_string), "draft model (method = draft)")
     num_draft_tokens: int = spec(4, _range(1, 32, integer=True), "max draft tokens per step (k)")
     adaptive: bool = spec(True, _bool, "choose k per request from measured acceptance and cost")

@@ -79,8 +79,9 @@ def run_once(profile: Profile, prompt: str, opts: RunOptions) -> dict:
     for step in generator.generate(tokens):
         for token in step:
             detok.add_token(token)
-        if not opts.as_json and detok.last_segment:
-            sys.stdout.write(detok.last_segment)
+        segment = detok.last_segment  # reading it consumes it
+        if segment and not opts.as_json:
+            sys.stdout.write(segment)
             sys.stdout.flush()
     detok.finalize()
     stats = generator.stats.as_dict()

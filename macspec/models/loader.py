@@ -78,14 +78,35 @@ def compute_dtype(requested: str) -> mx.Dtype | None:
     return getattr(mx, requested)
 
 
+def _classes_without_mtp(config: dict):
+    """mlx-lm's model classes, with sanitize dropping the MTP layer(s) wherever they sit
+    (mlx-lm strips only DeepSeek-V3's own index 61); load_mtp_head reads them separately."""
+    from mlx_lm.utils import _get_classes
+
+    model_cls, args_cls = _get_classes(config)
+    first, count = config.get("num_hidden_layers"), config.get("num_nextn_predict_layers") or 0
+    if not count or first is None:
+        return model_cls, args_cls
+    prefixes = tuple(f"model.layers.{i}." for i in range(first, first + count))
+
+    class WithoutMTP(model_cls):
+        def sanitize(self, weights):
+            weights = {k: v for k, v in weights.items() if not k.startswith(prefixes)}
+            return super().sanitize(weights) if hasattr(model_cls, "sanitize") else weights
+
+    WithoutMTP.__name__ = WithoutMTP.__qualname__ = model_cls.__name__
+    return WithoutMTP, args_cls
+
+
 def load_model(spec: str, dtype: str = "auto", revision: str | None = None,
                trust_remote_code: bool = False) -> LoadedModel:
-    from mlx_lm.utils import load as mlx_load
+    from mlx_lm.utils import load_model as mlx_load_model, load_tokenizer
 
     path = resolve_path(spec, revision)
     try:
-        model, tokenizer, config = mlx_load(str(path), return_config=True,
-                                            trust_remote_code=trust_remote_code)
+        model, config = mlx_load_model(path, get_model_classes=_classes_without_mtp,
+                                       trust_remote_code=trust_remote_code)
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except (ValueError, FileNotFoundError, KeyError, OSError) as err:
         raise ModelLoadError(f"{path}: cannot load model: {err}") from None
     target_dtype = compute_dtype(dtype)

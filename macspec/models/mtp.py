@@ -43,7 +43,7 @@ class MTPHead(nn.Module):
         embed = self.embed_tokens if "embed_tokens" in self else target.embed
         x = mx.concatenate([self.enorm(embed(tokens)), self.hnorm(prev_hidden)], axis=-1)
         h = self.eh_proj(x)
-        mask = create_attention_mask(h, cache)
+        mask = create_attention_mask(h, cache, return_array=True)  # MLA blocks need an array
         h = self.block(h, mask, cache)
         normed = self.shared_head.norm(h)
         if "head" in self.shared_head:
