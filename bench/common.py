@@ -1,0 +1,97 @@
+"""Shared by the benchmarks: the model family (tiny and widened), prompts, timed runs."""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+
+from macspec.config import load_profile
+from macspec.engine.generator import Generator
+from macspec.engine.runtime import Runtime
+from macspec.engine.sampling import SamplingParams
+from macspec.forge import corpus
+from macspec.forge.widen import widen_mtp_head, widen_target
+from macspec.models.loader import LoadedModel, load_model, load_mtp_head
+
+
+def bench_prompts(tokenizer, count: int, length: int = 96) -> list[list[int]]:
+    """Openings of held-out stdlib files (never trained on)."""
+    texts = [t for t in corpus.read_texts(heldout=True) if len(t) > 4000]
+    step = max(1, len(texts) // count)
+    return [tokenizer.encode(texts[i * step][:2000], add_special_tokens=False)[:length]
+            for i in range(count)]
+
+
+def _runtimes(target: LoadedModel, draft: LoadedModel, head) -> dict[str, Runtime]:
+    profile = load_profile("tiny")
+    profile.kv.max_context = 4096
+    return {"none": Runtime(profile, target, "none"),
+            "draft": Runtime(profile, target, "draft", draft=draft),
+            "mtp": Runtime(profile, target, "mtp", mtp_head=head),
+            "ngram": Runtime(profile, target, "ngram")}
+
+
+def load_family(wide_hidden: int, which: list[str]) -> dict:
+    target = load_model("embedded:tiny-target")
+    draft = load_model("embedded:tiny-draft")
+    head = load_mtp_head(target)
+    targets = {}
+    if "tiny" in which:
+        targets["tiny"] = _runtimes(target, draft, head)
+    if "wide" in which:
+        wide, wide_cfg = widen_target(target.model, target.config, wide_hidden)
+        wide_head = widen_mtp_head(head, wide, target.config, wide_cfg)
+        params = sum(v.size for _, v in __import__("mlx.utils").utils.tree_flatten(wide.parameters()))
+        wide_target = LoadedModel(wide, target.tokenizer, target.path, wide_cfg)
+        targets[f"wide-{params / 1e6:.0f}M"] = _runtimes(wide_target, draft, wide_head)
+    return {"tokenizer": target.tokenizer, "targets": targets}
+
+
+def time_macspec(runtime: Runtime, prompts, max_tokens: int, temp: float, k: int | None,
+                 adaptive: bool, label: str) -> dict:
+    tokens = forwards = drafted = accepted = 0
+    seconds = 0.0
+    for i, prompt in [(-1, prompts[0])] + list(enumerate(prompts)):  # i = -1: untimed warm-up
+        params = SamplingParams(temperature=temp, seed=max(i, 0))
+        gen = Generator(runtime, params, max_tokens, num_draft=k, adaptive=adaptive)
+        for _ in gen.generate(prompt):
+            pass
+        s = gen.stats
+        if i < 0:
+            continue
+        tokens += s.generated_tokens - 1  # decode only: the first token belongs to prefill
+        seconds += s.decode_s
+        forwards += s.spec.num_steps
+        drafted += s.spec.num_drafted
+        accepted += s.spec.num_accepted
+    return {"config": label, "tok_s": tokens / seconds, "tokens_per_forward": tokens / max(forwards, 1),
+            "acceptance": accepted / drafted if drafted else 0.0, "mean_k": drafted / max(forwards, 1)}
+
+
+def time_mlx_lm(runtime: Runtime, prompts, max_tokens: int, temp: float, k: int) -> dict:
+    from mlx_lm.generate import speculative_generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    tokens = drafted_accepted = 0
+    seconds = 0.0
+    for i, prompt in [(-1, prompts[0])] + list(enumerate(prompts)):  # i = -1: untimed warm-up
+        mx.random.seed(max(i, 0))
+        steps = speculative_generate_step(mx.array(prompt), runtime.target.model, runtime.draft.model,
+                                          num_draft_tokens=k, max_tokens=max_tokens,
+                                          sampler=make_sampler(temp=temp))
+        first, count, from_drafts = None, 0, 0
+        for n, (_, _, from_draft) in enumerate(steps):
+            if n == 0:
+                first = time.perf_counter()
+            from_drafts += int(from_draft)
+            count += 1
+        if i < 0:
+            continue
+        seconds += time.perf_counter() - first
+        tokens += count - 1
+        drafted_accepted += from_drafts
+    forwards = max(tokens - drafted_accepted, 1)  # each target forward yields one non-draft token
+    return {"config": f"mlx-lm spec k={k}", "tok_s": tokens / seconds,
+            "tokens_per_forward": tokens / forwards,
+            "acceptance": drafted_accepted / max(forwards * k, 1), "mean_k": float(k)}
