@@ -6,6 +6,7 @@ one code path that differ only in the proposals.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -20,6 +21,10 @@ from ..spec.verify import verify_greedy, verify_sampling
 from .cache import eval_cache, make_trimmable_cache, quantize_cache, trim
 from .runtime import Runtime
 from .sampling import Rng, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+STATS_LOG_INTERVAL_S = 30.0  # periodic aggregate, never one line per step
 
 
 @dataclass
@@ -134,13 +139,24 @@ class Generator:
             return
         if self.proposer is not None:
             self.proposer.start(prompt, prompt_hidden)
+        last_log = decode_start
         while stats.finish_reason is None:
             new = self._step(committed, cache)
             committed.extend(new)
             emitted = self._finish(new)
-            stats.decode_s = time.perf_counter() - decode_start
+            now = time.perf_counter()
+            stats.decode_s = now - decode_start
+            if now - last_log > STATS_LOG_INTERVAL_S:
+                last_log = now
+                self._log_aggregate()
             if emitted:
                 yield emitted
+
+    def _log_aggregate(self) -> None:
+        s = self.stats
+        logger.info("%d tokens, %.1f tok/s, %s: acceptance %.2f, %.2f tokens/forward, mean k %.2f",
+                    s.generated_tokens, s.decode_tokens_per_s, s.method, s.spec.acceptance_rate,
+                    s.spec.tokens_per_forward, s.spec.mean_k)
 
     def _step(self, committed: list[int], cache: list) -> list[int]:
         t0 = time.perf_counter()
@@ -157,7 +173,7 @@ class Generator:
         if self.controller is not None:
             self.controller.observe(num_drafted, n, time.perf_counter() - t0)
         if self.proposer is not None and self.proposer.needs_hidden:
-            self.proposer.observe(committed + new, hidden[0, : n + 1], n + 1)
+            self.proposer.observe(hidden[0, : n + 1])
         self.stats.spec.observe_step(num_drafted, n, len(new))
         return new
 

@@ -13,6 +13,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import corpus, tokenizer, train
+from .evaluate import evaluate_family
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +101,7 @@ def forge(out_dir: Path, recipe: ForgeRecipe) -> dict:
         "target_params": sum(v.size for _, v in tree_flatten(target.parameters())),
         "draft_params": sum(v.size for _, v in tree_flatten(draft.parameters())),
         "mtp_params": sum(v.size for _, v in tree_flatten(head.parameters())),
-        "heldout_ppl_target": train.perplexity(target, heldout_ids),
-        "heldout_ppl_draft": train.perplexity(draft, heldout_ids),
+        **evaluate_family(target, draft, head, heldout_ids),
         "train_tokens": int(len(train_ids)),
         "seconds": round(time.perf_counter() - t0, 1),
     }

@@ -145,13 +145,3 @@ def train_mtp(head: MTPHead, target: nn.Module, tokens: np.ndarray, sched: Train
         return batch, hidden, logits
 
     return _run(head, loss_fn, inputs, sched, seed, tokens, "mtp")
-
-
-def perplexity(model: nn.Module, tokens: np.ndarray, seq_len: int = 256, max_windows: int = 64) -> float:
-    n = min(max_windows, (len(tokens) - 1) // seq_len)
-    total = 0.0
-    for i in range(n):
-        window = mx.array(tokens[i * seq_len:(i + 1) * seq_len + 1])[None]
-        logits = model(window[:, :-1])
-        total += nn.losses.cross_entropy(logits, window[:, 1:], reduction="mean").item()
-    return float(np.exp(total / max(n, 1)))

@@ -32,9 +32,9 @@ class Proposer(ABC):
     def propose(self, committed: list[int], k: int, params: SamplingParams, rng: Rng) -> Proposal:
         """Up to k tokens that follow `committed` (all tokens so far, prompt included)."""
 
-    def observe(self, committed: list[int], hidden: mx.array | None, num_new: int) -> None:
-        """After a target forward: `num_new` tokens were committed; `hidden` holds the target's
-        states for the positions before each of them ([num_new, H])."""
+    def observe(self, hidden: mx.array) -> None:
+        """After a target forward (only when `needs_hidden`): the target's states [n, H] for the
+        positions just before each of the n tokens that step committed."""
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:

@@ -17,23 +17,29 @@ class DraftProposer(Proposer):
         self.prefill_chunk = prefill_chunk
         self.cache: list = []
         self.cached_tokens: list[int] = []
+        self.num_synced = 0  # cached tokens known to be committed (committed only grows)
 
     def start(self, prompt, prompt_hidden) -> None:
         # The prompt is fed lazily by the first propose(), after the first token is out (TTFT).
         self.cache = make_trimmable_cache(self.model)
         self.cached_tokens = []
+        self.num_synced = 0
 
     def _sync(self, committed: list[int]) -> mx.array:
         """Roll the cache back to its agreement with `committed`, feed the rest; last logits."""
-        keep = min(first_divergence(self.cached_tokens, committed), len(committed) - 1)
+        start = self.num_synced
+        agree = start + first_divergence(self.cached_tokens[start:], committed[start:])
+        keep = min(agree, len(committed) - 1)
         trim(self.cache, len(self.cached_tokens) - keep)
+        del self.cached_tokens[keep:]
         pending = committed[keep:]
         for start in range(0, len(pending) - 1, self.prefill_chunk):
             chunk = pending[start:min(start + self.prefill_chunk, len(pending) - 1)]
             self.model(mx.array(chunk)[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
         logits = self.model(mx.array(pending[-1:])[None], cache=self.cache)
-        self.cached_tokens = list(committed)
+        self.cached_tokens.extend(pending)
+        self.num_synced = len(committed)
         return logits[0, -1]
 
     def propose(self, committed, k, params, rng) -> Proposal:

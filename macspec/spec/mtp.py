@@ -35,7 +35,7 @@ class MTPProposer(Proposer):
         self.pending, self.num_pending, self.next_position, self.num_chained = [], 0, 0, 0
         self._add(prompt_hidden)
 
-    def observe(self, committed, hidden, num_new) -> None:
+    def observe(self, hidden) -> None:
         self._add(hidden)
 
     def _add(self, rows: mx.array) -> None:
