@@ -38,8 +38,10 @@ def runtime_for():
 
 
 def generate(runtime: Runtime, prompt: list[int], max_tokens: int, params: SamplingParams,
-             k: int | None = None, adaptive: bool = False) -> tuple[list[int], Generator]:
-    gen = Generator(runtime, params, max_tokens, num_draft=k, adaptive=adaptive)
+             k: int | None = None, adaptive: bool = False,
+             stop_token_ids: tuple[int, ...] = ()) -> tuple[list[int], Generator]:
+    gen = Generator(runtime, params, max_tokens, num_draft=k, adaptive=adaptive,
+                    stop_token_ids=stop_token_ids)
     tokens = [t for step in gen.generate(prompt) for t in step]
     return tokens, gen
 

@@ -18,11 +18,21 @@ PENALIZED = SamplingParams(repetition_penalty=1.3)
 _reference: dict = {}
 
 
+def stop_ids(runtime, index: int) -> tuple[int, ...]:
+    """Every other prompt also stops at the token " =": the small code model almost never
+    chooses EOS greedily, and a frequent stop token exercises the same end-of-sequence path
+    (a stop token accepted among the drafts, the rest discarded)."""
+    if index % 2:
+        return ()
+    return tuple(runtime.tokenizer.encode(" =", add_special_tokens=False)[-1:])
+
+
 def plain_outputs(runtime_for, prompts, params):
     key = params.repetition_penalty
     if key not in _reference:
         runtime = runtime_for("none")
-        runs = [generate(runtime, p, MAX_TOKENS, params) for p in prompts]
+        runs = [generate(runtime, p, MAX_TOKENS, params, stop_token_ids=stop_ids(runtime, i))
+                for i, p in enumerate(prompts)]
         _reference[key] = [(tokens, gen.stats.finish_reason) for tokens, gen in runs]
     return _reference[key]
 
@@ -49,8 +59,9 @@ def test_speculative_greedy_equals_plain(runtime_for, prompts, method, k, params
     runtime = runtime_for(method)
     reference = plain_outputs(runtime_for, prompts, params)
     drafted = 0
-    for prompt, (expected, reason) in zip(prompts, reference):
-        tokens, gen = generate(runtime, prompt, MAX_TOKENS, params, k=k)
+    for i, (prompt, (expected, reason)) in enumerate(zip(prompts, reference)):
+        tokens, gen = generate(runtime, prompt, MAX_TOKENS, params, k=k,
+                               stop_token_ids=stop_ids(runtime, i))
         assert tokens == expected, f"{method} k={k} diverged on prompt {prompt[:8]}"
         assert gen.stats.finish_reason == reason
         drafted += gen.stats.spec.num_drafted

@@ -67,7 +67,8 @@ class GenerationStats:
 
 class Generator:
     def __init__(self, runtime: Runtime, params: SamplingParams, max_tokens: int,
-                 num_draft: int | None = None, adaptive: bool | None = None):
+                 num_draft: int | None = None, adaptive: bool | None = None,
+                 stop_token_ids: tuple[int, ...] = ()):
         spec = runtime.profile.speculative
         self.runtime = runtime
         self.view = runtime.view
@@ -80,7 +81,7 @@ class Generator:
             probe_min_steps=spec.probe_min_steps, probe_max_steps=spec.probe_max_steps))
         self.stats = GenerationStats(runtime.method if self.proposer else "none",
                                      k_max if self.proposer else 0, controller=self.controller)
-        self.eos = set(runtime.tokenizer.eos_token_ids)
+        self.eos = set(runtime.tokenizer.eos_token_ids) | set(stop_token_ids)
         self.rng = Rng(params.seed)
 
     def _check_length(self, prompt: list[int]) -> None:
