@@ -124,15 +124,17 @@ def profiles_show(name, as_json):
 @main.command()
 @click.option("--out", type=click.Path(file_okay=False), required=True, help="Output directory.")
 @click.option("--recipe", type=click.Choice(["full", "smoke"]), default="full", show_default=True)
+@click.option("--reuse-target", is_flag=True,
+              help="Keep OUT/tiny-target (tokenizer, target, MTP head); re-distill the draft only.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
-def forge(out, recipe, log_level):
+def forge(out, recipe, reuse_target, log_level):
     """Train the embedded tokenizer, target, draft and MTP head (offline, CPU)."""
     from pathlib import Path
 
     from .forge.build import RECIPES, forge as run_forge
 
     setup_logging(log_level)
-    report = run_forge(Path(out), RECIPES[recipe])
+    report = run_forge(Path(out), RECIPES[recipe], reuse_target=reuse_target)
     click.echo(json.dumps(report, indent=2))
 
 
