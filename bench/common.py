@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from macspec.config import load_profile
 from macspec.engine.generator import Generator
@@ -42,7 +43,7 @@ def load_family(wide_hidden: int, which: list[str]) -> dict:
     if "wide" in which:
         wide, wide_cfg = widen_target(target.model, target.config, wide_hidden)
         wide_head = widen_mtp_head(head, wide, target.config, wide_cfg)
-        params = sum(v.size for _, v in __import__("mlx.utils").utils.tree_flatten(wide.parameters()))
+        params = sum(v.size for _, v in tree_flatten(wide.parameters()))
         wide_target = LoadedModel(wide, target.tokenizer, target.path, wide_cfg)
         targets[f"wide-{params / 1e6:.0f}M"] = _runtimes(wide_target, draft, wide_head)
     return {"tokenizer": target.tokenizer, "targets": targets}

@@ -24,7 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="k in {2,4}, fewer prompts")
+    ap.add_argument("--quick", action="store_true", help="k in {2,4}")
+    ap.add_argument("--ks", default="1,2,3,4,6,8", help="fixed k values to measure")
     ap.add_argument("--blas", choices=["both", "openblas", "reference"], default="both")
     ap.add_argument("--models", default="tiny,wide", help="comma list of tiny, wide")
     ap.add_argument("--temperatures", default="0,0.7")
@@ -49,7 +50,7 @@ def child(args) -> list[dict]:
 
     family = load_family(args.wide_hidden, [m for m in args.models.split(",") if m])
     prompts = bench_prompts(family["tokenizer"], args.prompts)
-    ks = [2, 4] if args.quick else [1, 2, 3, 4, 6, 8]
+    ks = [2, 4] if args.quick else [int(k) for k in args.ks.split(",")]
     rows = []
     blas = blas_info().name
     for model_name, runtimes in family["targets"].items():
@@ -59,6 +60,8 @@ def child(args) -> list[dict]:
             def add(row):
                 rows.append({**base, **row})
                 print(json.dumps(rows[-1]), flush=True)
+                print(f"#   {model_name} T={temp} {row['config']}: {row['tok_s']:.1f} tok/s",
+                      file=sys.stderr, flush=True)
 
             add(time_macspec(runtimes["none"], prompts, args.max_tokens, temp, None, False, "plain"))
             for method in ("draft", "mtp", "ngram"):
@@ -82,11 +85,11 @@ def run_children(args) -> list[dict]:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--blas", mode,
                "--models", args.models, "--temperatures", args.temperatures,
                "--wide-hidden", str(args.wide_hidden), "--prompts", str(args.prompts),
-               "--max-tokens", str(args.max_tokens), *(["--quick"] if args.quick else [])]
+               "--max-tokens", str(args.max_tokens), "--ks", args.ks,
+               *(["--quick"] if args.quick else [])]
         print(f"# running {mode} BLAS ...", file=sys.stderr, flush=True)
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)  # progress on stderr
         if out.returncode:
-            sys.stderr.write(out.stderr)
             raise SystemExit(f"bench child ({mode}) failed")
         rows += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     return rows
