@@ -86,12 +86,12 @@ def run_once(profile: Profile, prompt: str, opts: RunOptions) -> dict:
     detok.finalize()
     stats = generator.stats.as_dict()
     result = {"profile": profile.name, "text": detok.text, "blas": blas_info().as_dict(), **stats}
+    if runtime.method != profile.speculative.method:  # the draft was refused, fallback taken
+        result["requested_method"] = profile.speculative.method
     if opts.as_json:
         click.echo(json.dumps(result))
     else:
         sys.stdout.write(detok.last_segment + "\n")
         sys.stdout.flush()
         click.echo(stats_line(stats, blas_info().name), err=True)
-    if runtime.method != profile.speculative.method:
-        result["requested_method"] = profile.speculative.method
     return result

@@ -117,7 +117,8 @@ def test_incompatible_draft_is_diagnosed_and_fallback_works(tmp_path):
     assert result.exit_code == 1 and "vocabularies differ" in result.output
     profile.write_text(profile.read_text() + "allow_fallback = true\n")
     result = CliRunner().invoke(main, ["run", "x", "--profile", str(profile), "--max-tokens", "4", "--json"])
-    assert result.exit_code == 0 and json.loads(result.stdout)["method"] == "ngram"
+    data = json.loads(result.stdout)
+    assert result.exit_code == 0 and data["method"] == "ngram" and data["requested_method"] == "draft"
 
 
 def _completion(env: dict) -> str:
