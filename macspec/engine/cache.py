@@ -42,17 +42,9 @@ def trim(cache: list, num_tokens: int) -> None:
             layer_cache.trim(num_tokens)
 
 
-def cache_length(cache: list) -> int:
-    return cache[0].offset if cache else 0
-
-
 def quantize_cache(cache: list, bits: int, group_size: int) -> list:
     return [c.to_quantized(group_size=group_size, bits=bits) if isinstance(c, KVCache) else c
             for c in cache]
-
-
-def cache_nbytes(cache: list) -> int:
-    return sum(getattr(c, "nbytes", 0) for c in cache)
 
 
 def eval_cache(cache: list) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..engine.cache import make_trimmable_cache, trim
+from ..engine.cache import eval_cache, make_trimmable_cache, trim
 from .base import Proposal, Proposer, decode_chain, first_divergence
 
 
@@ -36,7 +36,7 @@ class DraftProposer(Proposer):
         for start in range(0, len(pending) - 1, self.prefill_chunk):
             chunk = pending[start:min(start + self.prefill_chunk, len(pending) - 1)]
             self.model(mx.array(chunk)[None], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
+            eval_cache(self.cache)
         logits = self.model(mx.array(pending[-1:])[None], cache=self.cache)
         self.cached_tokens.extend(pending)
         self.num_synced = len(committed)
