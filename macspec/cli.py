@@ -77,6 +77,92 @@ def run(prompt, profile, as_json, log_level, **flags):
     run_once(load_profile(profile), prompt, RunOptions(as_json=as_json, **flags))
 
 
+@main.command()
+@profile_option
+@click.option("--host", help="Bind address (default: the profile's, 127.0.0.1).")
+@click.option("--port", type=click.IntRange(0, 65535), help="Port (0 = any free port).")
+@click.option("--api-key", envvar="MACSPEC_API_KEY", help="Require this Bearer key "
+              "(default: $MACSPEC_API_KEY, or the env var named by server.api_key_env).")
+@click.option("--max-batch", type=click.IntRange(1, 256), help="Requests decoded together.")
+@click.option("--max-queue", type=click.IntRange(1), help="Waiting requests before 429.")
+@click.option("--method", type=click.Choice(["draft", "mtp", "ngram", "none"]), help="Default proposer.")
+@click.option("--num-draft", type=click.IntRange(1, 32), help="Default max draft tokens per step.")
+@click.option("--detach", is_flag=True, help="Run in the background; see `macspec status`, `macspec stop`.")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
+def serve(profile, host, port, api_key, max_batch, max_queue, method, num_draft, detach, log_level):
+    """Serve the profile's model over an OpenAI- and Anthropic-compatible HTTP API."""
+    import os
+
+    from .server import daemon
+
+    setup_logging(log_level)
+    prof = load_profile(profile)
+    overrides = {"server.host": host, "server.port": port, "server.max_batch": max_batch,
+                 "server.max_queue": max_queue, "speculative.method": method,
+                 "speculative.num_draft_tokens": num_draft}
+    for key, value in overrides.items():
+        if value is not None:
+            prof.override(key, value, "--" + key.split(".")[1].replace("_", "-"))
+    if not api_key and prof.server.api_key_env:
+        api_key = os.environ.get(prof.server.api_key_env)
+    if detach:
+        argv = _without_flags(sys.argv[2:], ("--detach",), ("--api-key",))
+        record = daemon.serve_detached(argv, api_key)
+        click.echo(f"macspec serving in the background: {daemon.describe(record)}")
+        return
+    daemon.serve_foreground(prof, prof.server.host, prof.server.port, api_key)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="The server's full /v1/status as JSON.")
+def status(as_json):
+    """Is a detached server running? Its address, load and speculation stats."""
+    import os
+
+    from .server import daemon
+
+    record = daemon.read_record()
+    if record is None:
+        raise MacspecError("no macspec server is running (start one with `macspec serve --detach`)")
+    body = daemon.query_status(record, os.environ.get("MACSPEC_API_KEY"))
+    if as_json:
+        click.echo(json.dumps({"daemon": record, "status": body}, indent=2))
+        return
+    engine = body["engine"]
+    click.echo(f"running: {daemon.describe(record)}")
+    click.echo(f"model {body['model']} | method {body['method']} | up {body['uptime_s']:.0f} s")
+    click.echo(f"requests: {engine['running']} running, {engine['waiting']} waiting, "
+               f"{engine['totals']['completed']} completed, {engine['totals']['generated_tokens']} tokens")
+    for method, spec in engine["speculation"].items():
+        click.echo(f"  {method}: acceptance {spec['acceptance_rate']:.2f}, "
+                   f"{spec['tokens_per_forward']:.2f} tokens/forward, mean k {spec['mean_k']:.2f}")
+
+
+def _without_flags(argv: list[str], flags: tuple, with_value: tuple) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in flags or any(arg.startswith(f + "=") for f in with_value):
+            continue
+        elif arg in with_value:
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
+@main.command()
+def stop():
+    """Stop the detached server (SIGTERM, then SIGKILL after 30 s)."""
+    from .server import daemon
+
+    record = daemon.stop_daemon()
+    if record is None:
+        raise MacspecError("no macspec server is running")
+    click.echo(f"stopped pid {record['pid']}")
+
+
 @main.group()
 def profiles():
     """List and inspect profiles."""

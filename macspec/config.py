@@ -120,6 +120,8 @@ class KVConfig:
     prefill_chunk: int = spec(512, _range(1, integer=True), "tokens per prefill forward")
     kv_bits: int | None = spec(None, _optional(_choice((4, 8))), "quantize the KV cache")
     kv_group_size: int = spec(64, _choice((32, 64, 128)), "KV quantization group size")
+    prefix_cache_mb: int = spec(512, _range(0, integer=True),
+                                "serve: KV of finished requests kept for shared prompt prefixes")
 
 
 @dataclass
@@ -148,6 +150,7 @@ class ServerConfig:
     max_batch: int = spec(8, _range(1, 256, integer=True), "requests decoded together")
     max_queue: int = spec(64, _range(1, integer=True), "waiting requests before 429")
     api_key_env: str | None = spec(None, _optional(_string), "env var holding the Bearer key")
+    max_body_kb: int = spec(1024, _range(1, integer=True), "largest accepted request body")
 
 
 SECTIONS: dict[str, type] = {

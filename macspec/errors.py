@@ -5,6 +5,10 @@ class MacspecError(Exception):
     http_status = 500
     error_type = "server_error"
 
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param  # the request field at fault, for API error bodies
+
 
 class ProfileError(MacspecError):
     """A profile file that is missing, malformed or has an invalid key or value."""
@@ -30,3 +34,24 @@ class RequestError(MacspecError):
 
     http_status = 400
     error_type = "invalid_request_error"
+
+
+class NotFoundError(MacspecError):
+    """A model or route the server does not have."""
+
+    http_status = 404
+    error_type = "not_found_error"
+
+
+class QueueFullError(MacspecError):
+    """The waiting queue is full; the client should retry later (HTTP 429 + Retry-After)."""
+
+    http_status = 429
+    error_type = "rate_limit_error"
+
+
+class EngineUnavailableError(MacspecError):
+    """The engine stopped or failed; requests cannot be served (HTTP 503)."""
+
+    http_status = 503
+    error_type = "server_unavailable"

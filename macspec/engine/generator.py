@@ -179,15 +179,19 @@ class Generator:
         return new
 
     def _finish(self, new: list[int]) -> list[int]:
-        """Tokens to emit from `new`, setting finish_reason on EOS or max_tokens."""
-        stats, out = self.stats, []
-        for token in new:
-            if token in self.eos:
-                stats.finish_reason = "stop"
-                break
-            out.append(token)
-            stats.generated_tokens += 1
-            if stats.generated_tokens >= self.max_tokens:
-                stats.finish_reason = "length"
-                break
-        return out
+        return take_until_finish(self.stats, new, self.eos, self.max_tokens)
+
+
+def take_until_finish(stats: GenerationStats, new: list[int], eos: set[int], max_tokens: int) -> list[int]:
+    """Tokens to emit from `new`, setting stats.finish_reason on EOS or max_tokens."""
+    out = []
+    for token in new:
+        if token in eos:
+            stats.finish_reason = "stop"
+            break
+        out.append(token)
+        stats.generated_tokens += 1
+        if stats.generated_tokens >= max_tokens:
+            stats.finish_reason = "length"
+            break
+    return out

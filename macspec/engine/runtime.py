@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import Profile
-from ..errors import IncompatibleDraftError, MacspecError
+from ..errors import IncompatibleDraftError, MacspecError, RequestError
 from ..models.compat import check_draft_compatible
 from ..models.loader import LoadedModel, load_model, load_mtp_head
 from ..models.mtp import MTPHead
@@ -18,6 +18,8 @@ from ..spec.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
 
+METHODS = ("draft", "mtp", "ngram", "none")
+
 
 @dataclass
 class Runtime:
@@ -26,6 +28,7 @@ class Runtime:
     method: str
     draft: LoadedModel | None = None
     mtp_head: MTPHead | None = None
+    unavailable: dict[str, str] = field(default_factory=dict)  # method -> why it cannot load
 
     @property
     def view(self) -> TargetView:
@@ -35,15 +38,32 @@ class Runtime:
     def tokenizer(self):
         return self.target.tokenizer
 
-    def make_proposer(self) -> Proposer | None:
+    def make_proposer(self, method: str | None = None) -> Proposer | None:
+        """A fresh proposer for one sequence; `method` defaults to the profile's."""
+        method = method or self.method
         spec = self.profile.speculative
-        if self.method == "draft":
+        if method == "draft":
             return DraftProposer(self.draft.model, self.profile.kv.prefill_chunk)
-        if self.method == "mtp":
+        if method == "mtp":
             return MTPProposer(self.mtp_head, self.view)
-        if self.method == "ngram":
+        if method == "ngram":
             return NgramProposer(spec.ngram_max, spec.ngram_min)
         return None
+
+    def ensure_method(self, method: str) -> None:
+        """Load what `method` needs when a request asks for one the profile did not load."""
+        if method not in METHODS:
+            raise RequestError(f"unknown speculative method {method!r}; one of {', '.join(METHODS)}")
+        if method in self.unavailable:
+            raise RequestError(self.unavailable[method])
+        try:
+            if method == "draft" and self.draft is None:
+                self._attach_draft(fallback=False)
+            elif method == "mtp" and self.mtp_head is None:
+                self.mtp_head = load_mtp_head(self.target)
+        except MacspecError as err:
+            self.unavailable[method] = f"speculative method {method!r} is unavailable: {err}"
+            raise RequestError(self.unavailable[method]) from err
 
     @classmethod
     def load(cls, profile: Profile) -> "Runtime":
@@ -58,7 +78,7 @@ class Runtime:
         logger.info("loaded %s (method %s)", target.path, runtime.method)
         return runtime
 
-    def _attach_draft(self) -> None:
+    def _attach_draft(self, fallback: bool = True) -> None:
         spec, m = self.profile.speculative, self.profile.model
         if not spec.draft_model:
             raise MacspecError("method 'draft' needs speculative.draft_model in the profile")
@@ -66,9 +86,10 @@ class Runtime:
         try:
             check_draft_compatible(self.target.tokenizer, draft.tokenizer, m.path, spec.draft_model)
         except IncompatibleDraftError as err:
-            if not spec.allow_fallback:
+            if not (spec.allow_fallback and fallback):
                 raise
             logger.warning("%s; falling back to n-gram proposals (allow_fallback = true)", err)
             self.method = "ngram"
+            self.unavailable["draft"] = f"the draft was refused: {err}"
             return
         self.draft = draft

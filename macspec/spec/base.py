@@ -25,8 +25,10 @@ class Proposer(ABC):
     needs_hidden: bool = False  # wants the target's hidden states after every forward
 
     @abstractmethod
-    def start(self, prompt: list[int], prompt_hidden: mx.array | None) -> None:
-        """A new sequence whose prompt the target has just prefilled."""
+    def start(self, prompt: list[int], prompt_hidden: mx.array | None,
+              hidden_start: int = 0) -> None:
+        """A new sequence whose prompt the target has just prefilled; `prompt_hidden` holds the
+        target's states from position `hidden_start` on (earlier ones came from a prefix cache)."""
 
     @abstractmethod
     def propose(self, committed: list[int], k: int, params: SamplingParams, rng: Rng) -> Proposal:

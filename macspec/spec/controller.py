@@ -54,11 +54,7 @@ class KController:
         return "off" if self.is_off else "on"
 
     def expected_tokens(self, k: int) -> float:
-        total, run = 1.0, 1.0
-        for alpha in self.alphas[:k]:
-            run *= alpha
-            total += run
-        return total
+        return expected_tokens(self.alphas, k)
 
     def cost(self, k: int) -> float | None:
         if k in self.costs:
@@ -114,18 +110,9 @@ class KController:
             old = self.costs.get(k)
             self.costs[k] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
         self.warmed_up.add(k)
-        for i in range(min(accepted + 1, k)):
-            hit = 1.0 if i < accepted else 0.0
-            self.alphas[i] += ALPHA_WEIGHT * (hit - self.alphas[i])
-        if k > 0:
-            self._extrapolate_alphas(k)
+        observe_acceptance(self.alphas, k, accepted)
         if self.cfg.adaptive and len(self.costs) >= 2:
             self._update_state(k)
-
-    def _extrapolate_alphas(self, k: int) -> None:
-        # Positions beyond the deepest one observed so far are assumed no better than it.
-        for i in range(k, self.cfg.k_max):
-            self.alphas[i] = min(self.alphas[i], self.alphas[k - 1])
 
     def _update_state(self, k: int) -> None:
         if self.probe_left:
@@ -155,6 +142,26 @@ class KController:
             logger.info("speculation back on after a probe (alpha=%s)", _fmt(self.alphas))
         self.is_off = False
         self.probe_interval = self.cfg.probe_min_steps
+
+
+def expected_tokens(alphas: list[float], k: int) -> float:
+    """E(k): the committed tokens a step with k drafts yields on average."""
+    total, run = 1.0, 1.0
+    for alpha in alphas[:k]:
+        run *= alpha
+        total += run
+    return total
+
+
+def observe_acceptance(alphas: list[float], k: int, accepted: int) -> None:
+    """EWMA of the acceptance at each draft position reached in a step of k drafts."""
+    for i in range(min(accepted + 1, k)):
+        hit = 1.0 if i < accepted else 0.0
+        alphas[i] += ALPHA_WEIGHT * (hit - alphas[i])
+    # Positions beyond the deepest one observed so far are assumed no better than it.
+    for i in range(k, len(alphas)):
+        if k > 0:
+            alphas[i] = min(alphas[i], alphas[k - 1])
 
 
 def _fmt(values: list[float]) -> str:

@@ -19,7 +19,7 @@ class DraftProposer(Proposer):
         self.cached_tokens: list[int] = []
         self.num_synced = 0  # cached tokens known to be committed (committed only grows)
 
-    def start(self, prompt, prompt_hidden) -> None:
+    def start(self, prompt, prompt_hidden, hidden_start=0) -> None:
         # The prompt is fed lazily by the first propose(), after the first token is out (TTFT).
         self.cache = make_trimmable_cache(self.model)
         self.cached_tokens = []

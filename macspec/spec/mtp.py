@@ -30,9 +30,10 @@ class MTPProposer(Proposer):
         self.next_position = 0  # absolute position of the first pending row
         self.num_chained = 0
 
-    def start(self, prompt, prompt_hidden) -> None:
+    def start(self, prompt, prompt_hidden, hidden_start=0) -> None:
         self.cache = make_trimmable_cache(self.target.model)[-1:]
-        self.pending, self.num_pending, self.next_position, self.num_chained = [], 0, 0, 0
+        self.pending, self.num_pending, self.num_chained = [], 0, 0
+        self.next_position = hidden_start
         self._add(prompt_hidden)
 
     def observe(self, hidden) -> None:

@@ -13,7 +13,7 @@ class NgramProposer(Proposer):
         self._index: dict[int, dict[tuple, int]] = {}
         self._indexed = 0
 
-    def start(self, prompt, prompt_hidden) -> None:
+    def start(self, prompt, prompt_hidden, hidden_start=0) -> None:
         self._index = {n: {} for n in self.sizes}
         self._indexed = 0
 

@@ -24,6 +24,11 @@ def verify_greedy(logits: mx.array, drafts: list[int], committed: list[int],
                   params: SamplingParams) -> tuple[int, int]:
     rows = len(drafts) + 1
     choice = greedy_tokens(logits, histories_for(committed, drafts, rows, params), params).tolist()
+    return accept_greedy_choices(choice, drafts)
+
+
+def accept_greedy_choices(choice: list[int], drafts: list[int]) -> tuple[int, int]:
+    """Given the target's greedy token at each window row, the accepted count and next token."""
     n = _first_false([c == d for c, d in zip(choice, drafts)])
     return n, choice[n]
 

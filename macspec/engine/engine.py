@@ -1,0 +1,391 @@
+"""The serving engine: one thread that owns all MLX work, fed through a small queue API.
+
+submit()/cancel() may be called from any thread; events go back through each request's sink.
+Each loop iteration: take new requests and cancellations, admit waiting requests up to
+max_batch, run one prefill chunk (one request at a time, so decoding never stalls behind a
+long prompt), then one batched speculative decode step over every running row.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+import mlx.core as mx
+
+from ..errors import EngineUnavailableError, MacspecError, QueueFullError, RequestError
+from ..spec.base import Proposal
+from ..spec.planner import BatchPlanner, RowController
+from ..spec.stats import SpecStats
+from ..spec.verify import accept_greedy_choices, verify_greedy, verify_sampling
+from .batch_cache import BatchKV
+from .cache import eval_cache, make_trimmable_cache
+from .generator import GenerationStats
+from .prefix_cache import PrefixCache
+from .request import Accepted, Failed, GenerationRequest
+from .runtime import Runtime
+from .sampling import Rng
+from .sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5
+STATS_LOG_INTERVAL_S = 30.0
+
+
+class Engine:
+    def __init__(self, runtime: Runtime, max_batch: int | None = None, max_queue: int | None = None):
+        profile = runtime.profile
+        self.runtime = runtime
+        self.view = runtime.view
+        self.max_batch = max_batch or profile.server.max_batch
+        self.max_queue = max_queue or profile.server.max_queue
+        self.max_context = profile.kv.max_context
+        self.prefill_chunk = profile.kv.prefill_chunk
+        self.kv = BatchKV(len(self.view.model.layers))
+        self.prefix_cache = PrefixCache(profile.kv.prefix_cache_mb * 2**20)
+        self.planner = BatchPlanner()
+        self.waiting: deque[Sequence] = deque()
+        self.prefilling: deque[Sequence] = deque()
+        self.decoding: list[Sequence] = []  # index i <-> row i of self.kv
+        self._inbox: deque = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.started_at = time.time()
+        self.degraded_reason: str | None = None
+        self.totals = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "rejected": 0,
+                       "prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
+        self.spec_totals: dict[str, SpecStats] = {}
+        self.batch_histogram: dict[int, int] = {}
+        self._last_log = time.perf_counter()
+
+    # ---- thread-safe API -------------------------------------------------------------
+    def start(self, calibrate: bool = True) -> None:
+        if calibrate:
+            self._calibrate()
+        self._thread = threading.Thread(target=self._loop, name="macspec-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def submit(self, request: GenerationRequest) -> None:
+        if not self.alive:
+            raise EngineUnavailableError("the engine is not running")
+        with self._lock:
+            queued = len(self.waiting) + sum(1 for op, _ in self._inbox if op == "submit")
+            if queued >= self.max_queue:
+                self.totals["rejected"] += 1
+                raise QueueFullError(f"the queue is full ({self.max_queue} waiting); retry later")
+            self._inbox.append(("submit", request))
+        self._wake.set()
+
+    def cancel(self, request_id: int) -> None:
+        with self._lock:
+            self._inbox.append(("cancel", request_id))
+        self._wake.set()
+
+    # ---- loop ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._drain_inbox()
+            self._admit()
+            if not self.prefilling and not self.decoding:
+                self._wake.wait(IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            try:
+                if self.prefilling:
+                    self._prefill_step(self.prefilling[0])
+                if self.decoding:
+                    self._decode_step()
+                self.degraded_reason = None
+            except Exception as exc:  # an engine bug must fail requests, never hang them
+                logger.exception("engine step failed")
+                self.degraded_reason = f"last step failed: {exc!r}"
+                self._fail_running(exc)
+            self._maybe_log()
+        self._fail_everything(EngineUnavailableError("the server is shutting down"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            with self._lock:
+                if not self._inbox:
+                    return
+                op, payload = self._inbox.popleft()
+            if op == "cancel":
+                self._cancel(payload)
+                continue
+            try:
+                seq = self._make_sequence(payload)
+            except MacspecError as err:
+                self.totals["failed"] += 1
+                _safe_emit(payload, Failed(err))
+                continue
+            _safe_emit(payload, Accepted())
+            self.totals["requests"] += 1
+            with self._lock:
+                self.waiting.append(seq)
+
+    def _make_sequence(self, req: GenerationRequest) -> Sequence:
+        if not req.prompt:
+            raise RequestError("the prompt is empty")
+        if len(req.prompt) + req.max_tokens > self.max_context:
+            raise RequestError(f"prompt ({len(req.prompt)} tokens) + max_tokens ({req.max_tokens}) "
+                               f"exceeds the context length {self.max_context}")
+        spec = self.runtime.profile.speculative
+        method = req.method or self.runtime.method
+        self.runtime.ensure_method(method)
+        proposer = self.runtime.make_proposer(method) if method != "none" else None
+        k_max = spec.num_draft_tokens if req.num_draft is None else req.num_draft
+        if proposer is None:
+            k_max = 0
+        row = RowController(k_max, spec.adaptive if req.adaptive is None else req.adaptive, method,
+                            spec.probe_min_steps, spec.probe_max_steps)
+        stats = GenerationStats(method if proposer else "none", k_max)
+        eos = set(self.runtime.tokenizer.eos_token_ids) | set(req.stop_token_ids)
+        return Sequence(req, method, proposer, row, stats, Rng(req.params.seed), eos, list(req.prompt))
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.prefilling) + len(self.decoding) < self.max_batch:
+            with self._lock:
+                seq = self.waiting.popleft()
+            seq.prefill_cache = make_trimmable_cache(self.view.model)
+            reused, layers = self.prefix_cache.lookup(seq.prompt)
+            if layers is not None:
+                for cache, arrays in zip(seq.prefill_cache, layers):
+                    cache.state = arrays
+                seq.prefill_done = seq.reused_prefix = reused
+            self.prefilling.append(seq)
+
+    def _cancel(self, request_id: int) -> None:
+        for queue in (self.waiting, self.prefilling):
+            for seq in [s for s in queue if s.request.id == request_id]:
+                queue.remove(seq)
+                self._close(seq, "cancelled")
+        for index in [i for i, s in enumerate(self.decoding) if s.request.id == request_id]:
+            self._remove_row(index, "cancelled")
+
+    # ---- prefill ---------------------------------------------------------------------
+    def _prefill_step(self, seq: Sequence) -> None:
+        prompt, start = seq.prompt, seq.prefill_done
+        chunk = prompt[start:start + self.prefill_chunk]
+        hidden = self.view.hidden(mx.array(chunk)[None], seq.prefill_cache)
+        eval_cache(seq.prefill_cache)
+        if seq.proposer is not None and seq.proposer.needs_hidden:
+            mx.eval(hidden)
+            seq.hidden_chunks.append(hidden[0])
+        seq.prefill_done += len(chunk)
+        self.totals["prompt_tokens"] += len(chunk)
+        if seq.prefill_done < len(prompt):
+            return
+        self.prefilling.popleft()
+        logits = self.view.logits(hidden[0, -1:])
+        first = self._accept(seq, logits, Proposal([]), None)[1]
+        seq.stats.prompt_tokens = len(prompt)
+        seq.stats.ttft_s = time.perf_counter() - seq.started
+        seq.decode_started = time.perf_counter()
+        seq.commit([first])
+        self.totals["generated_tokens"] += min(1, seq.stats.generated_tokens)
+        if seq.finished:
+            self._store_prefix(prompt, [tuple(c.state) for c in seq.prefill_cache])
+            self._close(seq)
+            return
+        if seq.proposer is not None:
+            hidden_rows = mx.concatenate(seq.hidden_chunks) if seq.hidden_chunks else None
+            seq.proposer.start(prompt, hidden_rows, hidden_start=seq.reused_prefix)
+        seq.hidden_chunks = []
+        self.kv.add_row(seq.prefill_cache, len(prompt))
+        seq.prefill_cache = None
+        self.decoding.append(seq)
+
+    # ---- decode ----------------------------------------------------------------------
+    def _decode_step(self) -> None:
+        rows = self.decoding
+        ks = self.planner.plan([s.row for s in rows])
+        proposals = [self._propose(seq, k) for seq, k in zip(rows, ks)]
+        t_proposed = time.perf_counter()
+        window = max(len(p.tokens) for p in proposals) + 1
+        tokens = [[seq.committed[-1], *p.tokens] + [0] * (window - 1 - len(p.tokens))
+                  for seq, p in zip(rows, proposals)]
+        self.kv.begin(window)
+        logits, hidden = self.view.forward(mx.array(tokens), self.kv.layers)
+        wants_hidden = any(s.proposer is not None and s.proposer.needs_hidden for s in rows)
+        greedy_choice = self._greedy_choices(rows, logits)
+        mx.eval(logits, *([hidden] if wants_hidden else []),
+                *([greedy_choice] if greedy_choice is not None else []))
+        if greedy_choice is not None:
+            greedy_choice = greedy_choice.tolist()
+        t_forward = time.perf_counter()
+        for i, (seq, proposal) in enumerate(zip(rows, proposals)):
+            choice = greedy_choice[i] if greedy_choice is not None and _plain_greedy(seq) else None
+            n, token = self._accept(seq, logits[i, :len(proposal.tokens) + 1], proposal, choice)
+            self.kv.advance(i, n + 1)
+            drafted = len(proposal.tokens)
+            if seq.proposer is not None and seq.proposer.needs_hidden:
+                seq.proposer.observe(hidden[i, :n + 1])
+            new = proposal.tokens[:n] + [token]
+            seq.stats.spec.observe_step(drafted, n, len(new))
+            self._spec_totals(seq.method).observe_step(drafted, n, len(new))
+            seq.row.observe(drafted, n, self.planner.pays_alone(seq.row) if drafted else True)
+            before = seq.stats.generated_tokens
+            seq.commit(new)
+            self.totals["generated_tokens"] += seq.stats.generated_tokens - before
+        t_end = time.perf_counter()
+        self.planner.observe_step(len(rows), window, t_forward - t_proposed, t_end - t_forward)
+        self.totals["steps"] += 1
+        self.batch_histogram[len(rows)] = self.batch_histogram.get(len(rows), 0) + 1
+        for index in reversed(range(len(rows))):
+            if rows[index].finished:
+                self._remove_row(index)
+
+    def _propose(self, seq: Sequence, k: int) -> Proposal:
+        k = min(k, seq.room(self.max_context))
+        if not k or seq.proposer is None:
+            return Proposal([])
+        t0 = time.perf_counter()
+        proposal = seq.proposer.propose(seq.committed, k, seq.params, seq.rng)
+        if len(proposal.tokens) > k:
+            proposal = Proposal(proposal.tokens[:k], None if proposal.q is None else proposal.q[:k])
+        self.planner.observe_proposer(seq.method, k, time.perf_counter() - t0)
+        return proposal
+
+    @staticmethod
+    def _greedy_choices(rows: list[Sequence], logits: mx.array):
+        """One argmax over the batch for the greedy rows without penalties (one host sync)."""
+        if any(_plain_greedy(s) for s in rows):
+            return mx.argmax(logits, axis=-1)
+        return None
+
+    def _accept(self, seq: Sequence, logits: mx.array, proposal: Proposal,
+                greedy_choice: list[int] | None) -> tuple[int, int]:
+        if greedy_choice is not None:
+            return accept_greedy_choices(greedy_choice[:len(proposal.tokens) + 1], proposal.tokens)
+        if seq.params.is_greedy:
+            return verify_greedy(logits, proposal.tokens, seq.committed, seq.params)
+        return verify_sampling(logits, proposal.tokens, proposal.q, seq.committed,
+                               seq.params, seq.rng)
+
+    def _remove_row(self, index: int, reason: str | None = None) -> None:
+        seq = self.decoding.pop(index)
+        if reason is None:  # finished normally: its KV may serve a later prompt's prefix
+            length = self.kv.lengths[index]
+            self._store_prefix(seq.committed[:length], self.kv.export_row(index, length))
+        self.kv.remove_row(index)
+        self._close(seq, reason)
+
+    def _store_prefix(self, tokens: list[int], layers) -> None:
+        if self.prefix_cache.max_bytes:
+            self.prefix_cache.store(tokens, layers)
+
+    def _close(self, seq: Sequence, reason: str | None = None) -> None:
+        seq.finish(reason)
+        key = "cancelled" if seq.stats.finish_reason == "cancelled" else "completed"
+        self.totals[key] += 1
+        seq.proposer = None
+
+    def _fail_running(self, exc: Exception) -> None:
+        error = exc if isinstance(exc, MacspecError) else MacspecError(f"generation failed: {exc}")
+        for seq in [*self.prefilling, *self.decoding]:
+            seq.emit(Failed(error))
+            self.totals["failed"] += 1
+        self.prefilling.clear()
+        self.decoding.clear()
+        self.kv = BatchKV(len(self.view.model.layers))
+
+    def _fail_everything(self, error: MacspecError) -> None:
+        self._drain_inbox()
+        for seq in self.waiting:
+            seq.emit(Failed(error))
+        self.waiting.clear()
+        self._fail_running(error)
+
+    def _spec_totals(self, method: str) -> SpecStats:
+        if method not in self.spec_totals:
+            self.spec_totals[method] = SpecStats()
+        return self.spec_totals[method]
+
+    # ---- calibration and reporting -----------------------------------------------------
+    def _calibrate(self) -> None:
+        """Time the target forward at a few (rows, window) shapes to seed the cost model."""
+        k_max = max(1, self.runtime.profile.speculative.num_draft_tokens)
+        prompt = list(range(1, 17))
+        for rows in (1, 4):
+            kv = BatchKV(len(self.view.model.layers))
+            for _ in range(rows):
+                cache = make_trimmable_cache(self.view.model)
+                self.view.hidden(mx.array(prompt)[None], cache)
+                eval_cache(cache)
+                kv.add_row(cache, len(prompt))
+            for window in (1, k_max + 1):
+                for repeat in range(3):  # the first run of a shape pays one-off costs
+                    kv.begin(window)
+                    t0 = time.perf_counter()
+                    logits, _ = self.view.forward(mx.array([[1] * window] * rows), kv.layers)
+                    mx.eval(logits)
+                    if repeat:
+                        self.planner.forward.observe(rows, window, time.perf_counter() - t0)
+        logger.info("calibrated target forward cost (ms): %s", self.planner.as_dict()["forward_ms"])
+
+    def _maybe_log(self) -> None:
+        now = time.perf_counter()
+        if now - self._last_log < STATS_LOG_INTERVAL_S:
+            return
+        self._last_log = now
+        parts = [f"{m}: acceptance {s.acceptance_rate:.2f}, {s.tokens_per_forward:.2f} tok/fwd"
+                 for m, s in self.spec_totals.items()]
+        logger.info("%d running, %d waiting, %d tokens generated; %s", len(self.decoding),
+                    len(self.waiting), self.totals["generated_tokens"], "; ".join(parts) or "-")
+
+    def status(self) -> dict:
+        rows = list(self.decoding)
+        states: dict[str, int] = {}
+        for seq in rows:
+            states[seq.row.state] = states.get(seq.row.state, 0) + 1
+        return {
+            "state": "running" if self.alive else "stopped",
+            "degraded_reason": self.degraded_reason,
+            "running": len(rows),
+            "prefilling": len(self.prefilling),
+            "waiting": len(self.waiting),
+            "max_batch": self.max_batch,
+            "max_queue": self.max_queue,
+            "totals": dict(self.totals),
+            "batch_size_histogram": {str(b): n for b, n in sorted(self.batch_histogram.items())},
+            "speculation": {m: s.as_dict() for m, s in self.spec_totals.items()},
+            "rows": {"k_in_use": [seq.row.last_k for seq in rows], "states": states},
+            "cost_model": self.planner.as_dict(),
+            "prefix_cache": self.prefix_cache.as_dict(),
+            "kv_cache_bytes": self.kv.nbytes(),
+            "memory": memory_snapshot(),
+        }
+
+
+def memory_snapshot() -> dict:
+    import psutil
+
+    return {"mlx_active_bytes": mx.get_active_memory(), "mlx_peak_bytes": mx.get_peak_memory(),
+            "mlx_cache_bytes": mx.get_cache_memory(),
+            "process_rss_bytes": psutil.Process().memory_info().rss}
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    return seq.params.is_greedy and not seq.params.has_penalty
+
+
+def _safe_emit(request: GenerationRequest, event) -> None:
+    try:
+        request.sink(event)
+    except Exception:
+        pass

@@ -1,0 +1,51 @@
+"""What crosses the thread boundary: a request in, events out (via the request's sink)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..errors import MacspecError
+from .sampling import SamplingParams
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class Accepted:
+    """The engine took the request (its method is loaded); tokens follow."""
+
+
+@dataclass
+class Tokens:
+    ids: list[int]
+
+
+@dataclass
+class Finished:
+    reason: str  # "stop" | "length" | "cancelled"
+    stats: dict
+
+
+@dataclass
+class Failed:
+    error: MacspecError
+
+
+Event = Accepted | Tokens | Finished | Failed
+
+
+@dataclass
+class GenerationRequest:
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    sink: Callable[[Event], None]  # called from the engine thread; must not block
+    method: str | None = None  # None = the profile's
+    num_draft: int | None = None  # None = the profile's k_max
+    adaptive: bool | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    id: int = field(default_factory=lambda: next(_ids))
+    created: float = field(default_factory=time.monotonic)

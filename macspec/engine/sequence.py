@@ -1,0 +1,78 @@
+"""One request inside the engine: its tokens, proposer, controller, RNG and counters."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from ..spec.base import Proposer
+from ..spec.planner import RowController
+from .generator import GenerationStats, take_until_finish
+from .request import Event, Finished, GenerationRequest, Tokens
+from .sampling import Rng
+
+
+@dataclass
+class Sequence:
+    request: GenerationRequest
+    method: str
+    proposer: Proposer | None
+    row: RowController | None
+    stats: GenerationStats
+    rng: Rng
+    eos: set[int]
+    committed: list[int] = field(default_factory=list)
+    prefill_cache: list | None = None
+    prefill_done: int = 0  # prompt tokens already in prefill_cache (prefix reuse included)
+    reused_prefix: int = 0
+    hidden_chunks: list[mx.array] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+    decode_started: float = 0.0
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.request.prompt
+
+    @property
+    def params(self):
+        return self.request.params
+
+    @property
+    def finished(self) -> bool:
+        return self.stats.finish_reason is not None
+
+    def room(self, max_context: int) -> int:
+        """Most drafts this step may carry without passing max_tokens or the context."""
+        left = self.request.max_tokens - self.stats.generated_tokens - 1
+        return max(0, min(left, max_context - len(self.committed)))
+
+    def emit(self, event: Event) -> None:
+        try:
+            self.request.sink(event)
+        except Exception:  # a sink whose client went away must not take the engine down
+            pass
+
+    def commit(self, new: list[int]) -> None:
+        """Append the step's tokens, emit what the client sees, set finish_reason if done."""
+        self.committed.extend(new)
+        out = take_until_finish(self.stats, new, self.eos, self.request.max_tokens)
+        if self.decode_started:
+            self.stats.decode_s = time.perf_counter() - self.decode_started
+        if out:
+            self.emit(Tokens(out))
+
+    def finish(self, reason: str | None = None) -> None:
+        if reason is not None:
+            self.stats.finish_reason = reason
+        self.emit(Finished(self.stats.finish_reason, self.summary()))
+
+    def summary(self) -> dict:
+        out = self.stats.as_dict()
+        out["cached_prompt_tokens"] = self.reused_prefix
+        if self.row is not None:
+            out["controller"] = {"state": self.row.state, "turned_off": self.row.num_turned_off,
+                                 "probes": self.row.num_probes,
+                                 "alphas": [round(a, 3) for a in self.row.alphas]}
+        return out

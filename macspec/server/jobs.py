@@ -1,0 +1,170 @@
+"""One generation seen from the event loop: submit, then async text deltas, then the result.
+
+The engine thread hands events over with call_soon_threadsafe; the job turns token ids into
+text (holding back incomplete UTF-8 and anything that may be the start of a stop string) and
+cancels the engine request when a stop string matches or the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from ..engine.engine import Engine
+from ..engine.request import Failed, Finished, GenerationRequest, Tokens
+from ..engine.sampling import SamplingParams
+from ..errors import MacspecError
+
+POLL_S = 0.5  # how often a waiting job checks that its client is still connected
+
+
+@dataclass
+class JobSpec:
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop: list[str] = field(default_factory=list)
+    method: str | None = None
+    num_draft: int | None = None
+    adaptive: bool | None = None
+
+
+@dataclass
+class JobResult:
+    finish_reason: str = "length"  # "stop" | "length" | "cancelled"
+    stop_sequence: str | None = None
+    completion_tokens: int = 0
+    stats: dict = field(default_factory=dict)
+
+
+class TextAssembler:
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.decoded = ""  # text of self.ids that is final (no partial UTF-8)
+        self.emitted = 0  # characters of self.decoded already handed out
+        self.stopped_at: str | None = None
+        self._stop_index = 0
+
+    def add(self, ids: list[int]) -> str:
+        """New text safe to send; sets stopped_at when a stop string matched."""
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd"):
+            self.decoded = text
+        pending = self.decoded[self.emitted:]
+        for stop in self.stop:
+            # search from just before the unsent text so a match spanning the boundary counts
+            start = max(0, self.emitted - len(stop) + 1)
+            hit = self.decoded.find(stop, start)
+            if hit != -1 and (self.stopped_at is None or hit < self._stop_index):
+                self.stopped_at, self._stop_index = stop, hit
+        if self.stopped_at is not None:
+            out = self.decoded[self.emitted:max(self.emitted, self._stop_index)]
+            self.emitted = len(self.decoded)
+            return out
+        keep = self._held_back(pending)
+        out = pending[:len(pending) - keep]
+        self.emitted += len(out)
+        return out
+
+    def flush(self) -> str:
+        """At the end: whatever was held back for a stop string that never came."""
+        if self.stopped_at is not None:
+            return ""
+        text = self.tokenizer.decode(self.ids)
+        out = text[self.emitted:]
+        self.emitted = len(text)
+        return out
+
+    def _held_back(self, pending: str) -> int:
+        longest = 0
+        for stop in self.stop:
+            for n in range(min(len(stop) - 1, len(pending)), 0, -1):
+                if pending.endswith(stop[:n]):
+                    longest = max(longest, n)
+                    break
+        return longest
+
+
+class Job:
+    def __init__(self, engine: Engine, tokenizer, spec: JobSpec, is_disconnected):
+        self.engine = engine
+        self.spec = spec
+        self.text = TextAssembler(tokenizer, spec.stop)
+        self.result = JobResult()
+        self.is_disconnected = is_disconnected
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.done = False
+        loop = asyncio.get_running_loop()
+
+        def sink(event) -> None:
+            loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+        self.request = GenerationRequest(spec.prompt, spec.params, spec.max_tokens, sink,
+                                         method=spec.method, num_draft=spec.num_draft,
+                                         adaptive=spec.adaptive)
+
+    async def start(self) -> None:
+        """Submit and wait for Accepted, so errors raise before any response is sent."""
+        self.engine.submit(self.request)
+        event = await self._next()
+        if isinstance(event, Failed):
+            self.done = True
+            raise event.error
+
+    async def deltas(self):
+        """Yield text pieces until the generation ends; then self.result is complete."""
+        try:
+            while not self.done:
+                event = await self._next()
+                if isinstance(event, Tokens):
+                    self.result.completion_tokens += len(event.ids)
+                    piece = self.text.add(event.ids)
+                    if piece:
+                        yield piece
+                    if self.text.stopped_at is not None:
+                        self._stop_on_string()
+                elif isinstance(event, Finished):
+                    self.done = True
+                    self.result.stats = event.stats
+                    self.result.finish_reason = event.reason
+                    piece = self.text.flush()
+                    if piece:
+                        yield piece
+                elif isinstance(event, Failed):
+                    self.done = True
+                    raise event.error
+        finally:
+            self.close()
+
+    def _stop_on_string(self) -> None:
+        self.done = True
+        self.result.finish_reason = "stop"
+        self.result.stop_sequence = self.text.stopped_at
+        self.engine.cancel(self.request.id)
+
+    def close(self) -> None:
+        """Cancel in the engine unless the generation already ended (idempotent)."""
+        if not self.done:
+            self.done = True
+            self.result.finish_reason = "cancelled"
+            self.engine.cancel(self.request.id)
+
+    async def _next(self):
+        while True:
+            try:
+                return await asyncio.wait_for(self.queue.get(), POLL_S)
+            except asyncio.TimeoutError:
+                if self.is_disconnected():
+                    self.close()
+                    raise ClientGone()
+
+
+class ClientGone(MacspecError):
+    """The client disconnected; the request was cancelled."""
+
+    http_status = 499
+    error_type = "client_closed_request"
+

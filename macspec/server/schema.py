@@ -1,0 +1,140 @@
+"""Request validation shared by the OpenAI and Anthropic routes: every problem is a 400 that
+names the field, what it got and what it accepts."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from ..engine.runtime import METHODS
+from ..engine.sampling import SamplingParams
+from ..errors import RequestError
+from .jobs import JobSpec
+
+MAX_STOP_STRINGS = 16
+
+
+def parse_json_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise RequestError("the request body is not valid UTF-8") from None
+    except ValueError as err:
+        raise RequestError(f"the request body is not valid JSON: {err}") from None
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _type_name(value) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def get_int(body: dict, name: str, default=None, lo: int | None = None, hi: int | None = None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"'{name}' must be an integer, got {_type_name(value)}", name)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise RequestError(f"'{name}' = {value} is out of range [{lo}, {hi if hi is not None else '∞'}]", name)
+    return value
+
+
+def get_float(body: dict, name: str, default=None, lo: float | None = None, hi: float | None = None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(f"'{name}' must be a finite number, got {value!r}"[:200], name)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise RequestError(f"'{name}' = {value} is out of range [{lo}, {hi}]", name)
+    return float(value)
+
+
+def get_bool(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"'{name}' must be true or false, got {_type_name(value)}", name)
+    return value
+
+
+def get_str(body: dict, name: str, default=None, required: bool = False):
+    value = body.get(name, default)
+    if value is None:
+        if required:
+            raise RequestError(f"'{name}' is required", name)
+        return default
+    if not isinstance(value, str):
+        raise RequestError(f"'{name}' must be a string, got {_type_name(value)}", name)
+    return value
+
+
+def get_stop(body: dict, name: str) -> list[str]:
+    value = body.get(name)
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise RequestError(f"'{name}' must be a string or a list of strings", name)
+    if len(value) > MAX_STOP_STRINGS:
+        raise RequestError(f"'{name}' has {len(value)} entries; at most {MAX_STOP_STRINGS}", name)
+    return [s for s in value if s]
+
+
+def sampling_params(body: dict, defaults, temperature_max: float = 2.0) -> SamplingParams:
+    top_k = get_int(body, "top_k", None, lo=-1)
+    return SamplingParams(
+        temperature=get_float(body, "temperature", defaults.temperature, 0.0, temperature_max),
+        top_p=get_float(body, "top_p", defaults.top_p, 0.0, 1.0) or 1.0,
+        top_k=defaults.top_k if top_k is None else max(top_k, 0),
+        min_p=get_float(body, "min_p", defaults.min_p, 0.0, 1.0),
+        repetition_penalty=get_float(body, "repetition_penalty", defaults.repetition_penalty, 0.01, 10.0),
+        repetition_context_size=defaults.repetition_context_size,
+        seed=get_int(body, "seed", defaults.seed, lo=-(2**63), hi=2**63 - 1) if body.get("seed") is not None
+        else defaults.seed,
+    )
+
+
+def speculative_options(body: dict) -> dict:
+    """The macspec extension `speculative: {method, num_draft_tokens, adaptive}`."""
+    value = body.get("speculative")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise RequestError("'speculative' must be an object {method, num_draft_tokens, adaptive}",
+                           "speculative")
+    unknown = set(value) - {"method", "num_draft_tokens", "adaptive"}
+    if unknown:
+        raise RequestError(f"'speculative' has unknown keys {sorted(unknown)}", "speculative")
+    method = get_str(value, "method")
+    if method is not None and method not in METHODS:
+        raise RequestError(f"speculative.method = {method!r}; one of {', '.join(METHODS)}", "speculative")
+    return {"method": method, "num_draft": get_int(value, "num_draft_tokens", None, 0, 32),
+            "adaptive": get_bool(value, "adaptive", None)}
+
+
+def reject_unsupported(body: dict, fields: dict[str, Any]) -> None:
+    """Fields we do not implement are refused unless they hold their neutral value."""
+    for name, neutral in fields.items():
+        value = body.get(name)
+        if value is not None and value != neutral:
+            raise RequestError(f"'{name}' = {value!r} is not supported (only {neutral!r})"[:300], name)
+
+
+def build_job(body: dict, prompt: list[int], max_tokens: int | None, stop: list[str], profile,
+              temperature_max: float = 2.0) -> JobSpec:
+    context = profile.kv.max_context
+    if not prompt:
+        raise RequestError("the prompt is empty", "prompt")
+    if max_tokens is None:
+        max_tokens = min(profile.sampling.max_tokens, context - len(prompt))
+    if max_tokens < 1 or len(prompt) + max_tokens > context:
+        raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                           f"context length {context}", "max_tokens")
+    params = sampling_params(body, profile.sampling, temperature_max)
+    return JobSpec(prompt, params, max_tokens, stop, **speculative_options(body))

@@ -1,0 +1,99 @@
+"""What every route shares: the engine, the tokenizer, model names, SSE plumbing, errors."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from ..config import Profile
+from ..engine.engine import Engine
+from ..errors import MacspecError, NotFoundError, RequestError
+from .jobs import ClientGone, Job
+
+logger = logging.getLogger(__name__)
+
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                         403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                         429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def error_body(status: int, message: str, error_type: str, param: str | None, anthropic: bool) -> dict:
+    if anthropic:
+        return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"),
+                                           "message": message}}
+    return {"error": {"message": message, "type": error_type, "param": param,
+                      "code": error_type if status != 400 else None}}
+
+
+class ServerState:
+    def __init__(self, engine: Engine, profile: Profile):
+        self.engine = engine
+        self.profile = profile
+        self.runtime = engine.runtime
+        self.tokenizer = engine.runtime.tokenizer
+        self.started = time.time()
+        self.model_id = profile.model.path
+        names = [profile.model.path, profile.name]
+        if Path(profile.model.path.split(":")[-1]).name not in names:
+            names.append(Path(profile.model.path.split(":")[-1]).name)
+        self.model_names = names
+        self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
+
+    def check_model(self, model) -> None:
+        if model is None:
+            return  # a missing model means the one we serve
+        if not isinstance(model, str):
+            raise RequestError("'model' must be a string", "model")
+        if model not in self.model_names:
+            raise NotFoundError(f"model {model[:200]!r} is not served here; available: "
+                                f"{', '.join(self.model_names)}", "model")
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        if self.has_chat_template:
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                           tokenize=True))
+        # No template: a plain transcript the base model can continue.
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def open_sse(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache",
+                                               "X-Accel-Buffering": "no"})
+        await response.prepare(request)
+        return response
+
+    async def stream_events(self, response: web.StreamResponse, job: Job, events, encode,
+                            done: str | None = None, anthropic: bool = False) -> None:
+        """Write events until the end; a failure mid-stream becomes an error event (the status
+        line is already sent), a vanished client cancels the job."""
+        try:
+            async for event in events:
+                await response.write(encode(event).encode())
+        except (ConnectionResetError, ClientGone):
+            job.close()
+            return
+        except MacspecError as err:
+            body = error_body(err.http_status, str(err), err.error_type, err.param, anthropic)
+            line = f"event: error\ndata: {_json(body)}\n\n" if anthropic else f"data: {_json(body)}\n\n"
+            try:
+                await response.write(line.encode())
+            except ConnectionResetError:
+                return
+        finally:
+            job.close()
+        try:
+            if done:
+                await response.write(done.encode())
+            await response.write_eof()
+        except ConnectionResetError:
+            pass
+
+
+def _json(value) -> str:
+    import json
+
+    return json.dumps(value)
