@@ -99,13 +99,13 @@ class Engine:
     # ---- loop ------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stopping:
-            self._drain_inbox()
-            self._admit()
-            if not self.prefilling and not self.decoding:
-                self._wake.wait(IDLE_WAIT_S)
-                self._wake.clear()
-                continue
             try:
+                self._drain_inbox()
+                self._admit()
+                if not self.prefilling and not self.decoding:
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
                 if self.prefilling:
                     self._prefill_step(self.prefilling[0])
                 if self.decoding:
@@ -151,7 +151,11 @@ class Engine:
         k_max = spec.num_draft_tokens if req.num_draft is None else req.num_draft
         if proposer is None:
             k_max = 0
-        row = RowController(k_max, spec.adaptive if req.adaptive is None else req.adaptive, method,
+        adaptive = spec.adaptive if req.adaptive is None else req.adaptive
+        if req.params.seed is not None and not req.params.is_greedy:
+            # The random stream is consumed per draft, so a replay needs the same k every step.
+            adaptive = False
+        row = RowController(k_max, adaptive, method,
                             spec.probe_min_steps, spec.probe_max_steps)
         stats = GenerationStats(method if proposer else "none", k_max)
         eos = set(self.runtime.tokenizer.eos_token_ids) | set(req.stop_token_ids)
@@ -164,8 +168,8 @@ class Engine:
             seq.prefill_cache = make_trimmable_cache(self.view.model)
             reused, layers = self.prefix_cache.lookup(seq.prompt)
             if layers is not None:
-                for cache, arrays in zip(seq.prefill_cache, layers):
-                    cache.state = arrays
+                for cache, (keys, values) in zip(seq.prefill_cache, layers):
+                    cache.update_and_fetch(keys, values)
                 seq.prefill_done = seq.reused_prefix = reused
             self.prefilling.append(seq)
 
@@ -199,7 +203,8 @@ class Engine:
         seq.commit([first])
         self.totals["generated_tokens"] += min(1, seq.stats.generated_tokens)
         if seq.finished:
-            self._store_prefix(prompt, [tuple(c.state) for c in seq.prefill_cache])
+            self._store_prefix(prompt, [tuple(mx.contiguous(a[:, :, :len(prompt)]) for a in c.state[:2])
+                                        for c in seq.prefill_cache])
             self._close(seq)
             return
         if seq.proposer is not None:

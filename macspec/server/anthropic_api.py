@@ -11,7 +11,7 @@ from ..errors import RequestError
 from .jobs import Job, JobResult
 from .openai_api import chat_messages, message_text
 from .schema import build_job, get_bool, get_int, get_stop, parse_json_body, reject_unsupported
-from .state import ServerState
+from .state import STATE, ServerState
 
 UNSUPPORTED = {"tools": [], "tool_choice": None, "thinking": None}
 
@@ -30,7 +30,7 @@ def stop_reason(result: JobResult) -> str:
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    state: ServerState = request.app["state"]
+    state: ServerState = request.app[STATE]
     body = parse_json_body(await request.read())
     state.check_model(body.get("model"))
     reject_unsupported(body, UNSUPPORTED)

@@ -15,7 +15,7 @@ from ..engine.engine import Engine
 from ..errors import MacspecError
 from . import anthropic_api, openai_api
 from .metrics import metrics_text
-from .state import ServerState, error_body
+from .state import STARTED, STATE, ServerState, error_body
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def auth_middleware(api_key: str | None):
 
 
 async def health(request: web.Request) -> web.Response:
-    engine: Engine = request.app["state"].engine
+    engine: Engine = request.app[STATE].engine
     reason = None if engine.alive else "the engine thread is not running"
     reason = reason or engine.degraded_reason
     if reason:
@@ -81,24 +81,24 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
-    state: ServerState = request.app["state"]
+    state: ServerState = request.app[STATE]
     profile = state.profile
     body = {"version": __version__, "profile": profile.name, "model": state.model_id,
             "method": state.runtime.method, "uptime_s": round(asyncio.get_running_loop().time()
-                                                             - request.app["loop_started"], 1),
+                                                             - request.app[STARTED], 1),
             "engine": state.engine.status()}
     return web.json_response(body)
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = metrics_text(request.app["state"].engine)
+    body = metrics_text(request.app[STATE].engine)
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
 def create_app(engine: Engine, profile: Profile, api_key: str | None = None) -> web.Application:
     app = web.Application(client_max_size=profile.server.max_body_kb * 1024,
                           middlewares=[errors_as_json, auth_middleware(api_key)])
-    app["state"] = ServerState(engine, profile)
+    app[STATE] = ServerState(engine, profile)
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_get("/v1/models", openai_api.models)
@@ -108,15 +108,15 @@ def create_app(engine: Engine, profile: Profile, api_key: str | None = None) -> 
     app.router.add_get("/metrics", metrics)
 
     async def on_startup(app):
-        app["loop_started"] = asyncio.get_running_loop().time()
+        app[STARTED] = asyncio.get_running_loop().time()
 
     app.on_startup.append(on_startup)
     return app
 
 
 async def serve_forever(engine: Engine, profile: Profile, host: str, port: int,
-                        api_key: str | None, on_ready=None) -> None:
-    """Run until SIGINT/SIGTERM; `on_ready(port)` is called once the socket listens."""
+                        api_key: str | None, on_ready=None, stop: asyncio.Event | None = None) -> None:
+    """Run until SIGINT/SIGTERM (or `stop` is set); `on_ready(port)` once the socket listens."""
     app = create_app(engine, profile, api_key)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
@@ -126,10 +126,11 @@ async def serve_forever(engine: Engine, profile: Profile, host: str, port: int,
     logger.info("serving %s on http://%s:%d (profile %s)", profile.model.path, host, bound, profile.name)
     if on_ready:
         on_ready(bound)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
     watch = asyncio.create_task(_watch_engine(engine, stop))
     await stop.wait()
     watch.cancel()

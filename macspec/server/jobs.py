@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from ..engine.engine import Engine
 from ..engine.request import Failed, Finished, GenerationRequest, Tokens
 from ..engine.sampling import SamplingParams
-from ..errors import MacspecError
+from ..errors import EngineUnavailableError, MacspecError
 
 POLL_S = 0.5  # how often a waiting job checks that its client is still connected
 
@@ -157,6 +157,9 @@ class Job:
             try:
                 return await asyncio.wait_for(self.queue.get(), POLL_S)
             except asyncio.TimeoutError:
+                if not self.engine.alive:
+                    self.done = True
+                    raise EngineUnavailableError("the engine stopped; the request was not completed")
                 if self.is_disconnected():
                     self.close()
                     raise ClientGone()

@@ -11,7 +11,7 @@ from aiohttp import web
 from ..errors import RequestError
 from .jobs import Job, JobResult
 from .schema import (build_job, get_bool, get_int, get_stop, parse_json_body, reject_unsupported)
-from .state import ServerState
+from .state import STATE, ServerState
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": 0, "presence_penalty": 0,
@@ -79,7 +79,7 @@ def _common(body: dict, state: ServerState):
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state: ServerState = request.app["state"]
+    state: ServerState = request.app[STATE]
     body = parse_json_body(await request.read())
     stream, include_usage, max_tokens, stop = _common(body, state)
     prompt = state.encode_chat(chat_messages(body))
@@ -88,7 +88,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    state: ServerState = request.app["state"]
+    state: ServerState = request.app[STATE]
     body = parse_json_body(await request.read())
     stream, include_usage, max_tokens, stop = _common(body, state)
     prompt = completion_prompt(body, state.tokenizer)
@@ -157,8 +157,8 @@ def _gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
-def models(request: web.Request) -> web.Response:
-    state: ServerState = request.app["state"]
+async def models(request: web.Request) -> web.Response:
+    state: ServerState = request.app[STATE]
     data = [{"id": name, "object": "model", "created": int(state.started), "owned_by": "macspec"}
             for name in state.model_names]
     return web.json_response({"object": "list", "data": data})

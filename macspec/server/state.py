@@ -97,3 +97,7 @@ def _json(value) -> str:
     import json
 
     return json.dumps(value)
+
+
+STATE = web.AppKey("state", ServerState)
+STARTED = web.AppKey("started", float)  # event-loop time at startup, for uptime
