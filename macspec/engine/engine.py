@@ -158,7 +158,9 @@ class Engine:
         row = RowController(k_max, adaptive, method,
                             spec.probe_min_steps, spec.probe_max_steps)
         stats = GenerationStats(method if proposer else "none", k_max)
-        eos = set(self.runtime.tokenizer.eos_token_ids) | set(req.stop_token_ids)
+        eos = set(req.stop_token_ids)
+        if not req.ignore_eos:
+            eos |= set(self.runtime.tokenizer.eos_token_ids)
         return Sequence(req, method, proposer, row, stats, Rng(req.params.seed), eos, list(req.prompt))
 
     def _admit(self) -> None:

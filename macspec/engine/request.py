@@ -47,5 +47,6 @@ class GenerationRequest:
     num_draft: int | None = None  # None = the profile's k_max
     adaptive: bool | None = None
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # benchmarks: always generate max_tokens (vLLM's option)
     id: int = field(default_factory=lambda: next(_ids))
     created: float = field(default_factory=time.monotonic)

@@ -8,6 +8,7 @@ cancels the engine request when a stop string matches or the client goes away.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from ..engine.engine import Engine
@@ -27,6 +28,7 @@ class JobSpec:
     method: str | None = None
     num_draft: int | None = None
     adaptive: bool | None = None
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -97,6 +99,7 @@ class Job:
         self.is_disconnected = is_disconnected
         self.queue: asyncio.Queue = asyncio.Queue()
         self.done = False
+        self._last_check = time.monotonic()
         loop = asyncio.get_running_loop()
 
         def sink(event) -> None:
@@ -104,7 +107,7 @@ class Job:
 
         self.request = GenerationRequest(spec.prompt, spec.params, spec.max_tokens, sink,
                                          method=spec.method, num_draft=spec.num_draft,
-                                         adaptive=spec.adaptive)
+                                         adaptive=spec.adaptive, ignore_eos=spec.ignore_eos)
 
     async def start(self) -> None:
         """Submit and wait for Accepted, so errors raise before any response is sent."""
@@ -154,15 +157,22 @@ class Job:
 
     async def _next(self):
         while True:
+            now = time.monotonic()
+            if now - self._last_check >= POLL_S:  # also while tokens flow without pause
+                self._last_check = now
+                self._check_alive()
             try:
                 return await asyncio.wait_for(self.queue.get(), POLL_S)
             except asyncio.TimeoutError:
-                if not self.engine.alive:
-                    self.done = True
-                    raise EngineUnavailableError("the engine stopped; the request was not completed")
-                if self.is_disconnected():
-                    self.close()
-                    raise ClientGone()
+                continue
+
+    def _check_alive(self) -> None:
+        if not self.engine.alive:
+            self.done = True
+            raise EngineUnavailableError("the engine stopped; the request was not completed")
+        if self.is_disconnected():
+            self.close()
+            raise ClientGone()
 
 
 class ClientGone(MacspecError):

@@ -137,4 +137,5 @@ def build_job(body: dict, prompt: list[int], max_tokens: int | None, stop: list[
         raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "
                            f"context length {context}", "max_tokens")
     params = sampling_params(body, profile.sampling, temperature_max)
-    return JobSpec(prompt, params, max_tokens, stop, **speculative_options(body))
+    return JobSpec(prompt, params, max_tokens, stop, ignore_eos=get_bool(body, "ignore_eos", False),
+                   **speculative_options(body))
