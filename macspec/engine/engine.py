@@ -245,7 +245,7 @@ class Engine:
             new = proposal.tokens[:n] + [token]
             seq.stats.spec.observe_step(drafted, n, len(new))
             self._spec_totals(seq.method).observe_step(drafted, n, len(new))
-            seq.row.observe(drafted, n, self.planner.pays_alone(seq.row) if drafted else True)
+            seq.row.observe(drafted, n, not seq.row.adaptive or self.planner.pays_alone(seq.row))
             before = seq.stats.generated_tokens
             seq.commit(new)
             self.totals["generated_tokens"] += seq.stats.generated_tokens - before

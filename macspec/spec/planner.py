@@ -92,6 +92,8 @@ class RowController:
 
     @property
     def state(self) -> str:
+        if self.k_max == 0:
+            return "plain"
         if self.probe_left:
             return "probing"
         if self.is_off:
@@ -118,7 +120,7 @@ class RowController:
         for this row's acceptance even with the batch to itself."""
         self.last_k = k
         observe_acceptance(self.alphas, k, accepted)
-        if not self.adaptive:
+        if not self.adaptive or self.k_max == 0:
             return
         if self.probe_left:
             self.probe_left -= 1
@@ -132,7 +134,7 @@ class RowController:
                     self.probe_interval = min(self.probe_interval * 2, self.probe_max_steps)
                     self.steps_until_probe = self.probe_interval
             return
-        if not self.is_off and k > 0 and not pays_alone:
+        if not self.is_off and not pays_alone:  # also when the plan already gave it k = 0
             self.is_off = True
             self.num_turned_off += 1
             self.steps_until_probe = self.probe_interval
@@ -199,8 +201,8 @@ class BatchPlanner:
             options = [((base_gain + expected_tokens(rows[i].alphas, k)) / (base_cost + draft_cost[i] * k), k)
                        for k in range(min(cap, rows[i].k_max) + 1)]
             best_rate, best_k = options[0]
-            for rate, k in options[1:]:
-                if rate > best_rate * NEAR_TIE:
+            for rate, k in options[1:]:  # one row moves the batch rate little: no tie margin
+                if rate > best_rate:
                     best_rate, best_k = rate, k
             total_gain = base_gain + expected_tokens(rows[i].alphas, best_k)
             total_cost = base_cost + draft_cost[i] * best_k

@@ -1,0 +1,61 @@
+"""The batch planner: k falls as the batch grows when verification costs per position; rows
+with useless drafts turn off and are probed with backoff."""
+
+from __future__ import annotations
+
+from macspec.spec.planner import BatchPlanner, RowController
+
+
+def planner_with(base_s: float, per_row_s: float, per_position_s: float, draft_s: float = 0.0) -> BatchPlanner:
+    planner = BatchPlanner()
+    for rows in (1, 2, 4, 8, 16):
+        for window in (1, 3, 5):
+            planner.forward.observe(rows, window, base_s + per_row_s * rows + per_position_s * rows * window)
+    if draft_s:
+        planner.observe_proposer("draft", 1, draft_s)
+    return planner
+
+
+def rows(n: int, alpha: float = 0.8, k_max: int = 4) -> list[RowController]:
+    out = [RowController(k_max, True, "draft") for _ in range(n)]
+    for row in out:
+        row.alphas = [alpha] * k_max
+    return out
+
+
+def test_bandwidth_bound_keeps_speculating_at_any_batch():
+    planner = planner_with(base_s=0.02, per_row_s=0.0, per_position_s=1e-5, draft_s=1e-4)
+    assert all(k == 4 for k in planner.plan(rows(1)))
+    assert all(k >= 3 for k in planner.plan(rows(16)))
+
+
+def test_compute_bound_k_falls_with_batch_size():
+    planner = planner_with(base_s=0.004, per_row_s=0.0, per_position_s=0.001, draft_s=2e-4)
+    ks = {b: max(planner.plan(rows(b))) for b in (1, 2, 4, 8, 16)}
+    assert ks[1] >= 2, ks
+    assert ks[16] == 0, ks
+    assert all(ks[a] >= ks[b] for a, b in zip((1, 2, 4, 8), (2, 4, 8, 16))), ks
+
+
+def test_fixed_k_rows_are_honoured_and_set_the_window():
+    planner = planner_with(base_s=0.004, per_row_s=0.0, per_position_s=0.001)
+    batch = rows(8)
+    batch[0] = RowController(3, adaptive=False, method="ngram")
+    ks = planner.plan(batch)
+    assert ks[0] == 3
+
+
+def test_useless_drafts_turn_off_then_probe_with_backoff():
+    planner = planner_with(base_s=0.01, per_row_s=0.0, per_position_s=0.001, draft_s=0.004)
+    row = RowController(4, True, "draft", probe_min_steps=8, probe_max_steps=32)
+    intervals, probing_steps = [], 0
+    for step in range(400):
+        k = planner.plan([row])[0]
+        row.observe(k, 0, planner.pays_alone(row))
+        if row.state == "probing":
+            probing_steps += 1
+        if row.is_off and row.steps_until_probe == row.probe_interval:
+            intervals.append(row.probe_interval)
+    assert row.num_turned_off == 1 and row.is_off
+    assert row.num_probes >= 4 and probing_steps > 0
+    assert sorted(set(intervals))[:3] == [8, 16, 32]
