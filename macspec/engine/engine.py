@@ -44,6 +44,9 @@ class Engine:
         self.max_queue = max_queue or profile.server.max_queue
         self.max_context = profile.kv.max_context
         self.prefill_chunk = profile.kv.prefill_chunk
+        if profile.kv.kv_bits:
+            logger.warning("kv.kv_bits = %d is applied by `macspec run` only; the serving engine keeps "
+                           "its batched KV in the model's dtype", profile.kv.kv_bits)
         self.kv = BatchKV(len(self.view.model.layers))
         self.prefix_cache = PrefixCache(profile.kv.prefix_cache_mb * 2**20)
         self.planner = BatchPlanner()

@@ -1,0 +1,219 @@
+"""Serving benchmark: macspec serve vs mlx_lm.server, same model dirs, side by side in one run.
+
+For 1, 4, 8, 16 concurrent streaming clients (each sends --rounds requests back to back):
+aggregate completion tok/s, TTFT p50/p95, per configuration:
+  macspec spec on (profile's method, adaptive k) | macspec spec off (speculative.method = none)
+  mlx_lm.server plain | mlx_lm.server with the draft model (--draft-model).
+Both servers load the same float32 copies of the embedded models (CPU matmuls are slow in
+bf16) and both run with OpenBLAS preloaded (mlx_lm.server is started through `import macspec`).
+
+  python bench/serve.py [--quick] [--concurrency 1,4,8,16] [--max-tokens 64] [--json-out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def float32_copy(src: Path, dst: Path) -> Path:
+    import mlx.core as mx
+
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            weights = mx.load(str(f))
+            mx.save_safetensors(str(dst / f.name), {k: v.astype(mx.float32) for k, v in weights.items()})
+        else:
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def prompts(count: int) -> list[str]:
+    from macspec.forge import corpus
+
+    texts = [t for t in corpus.read_texts(heldout=True) if len(t) > 3000]
+    step = max(1, len(texts) // count)
+    return [texts[i * step][:400] for i in range(count)]
+
+
+async def one_request(session, url, body) -> dict:
+    start = time.perf_counter()
+    ttft, text, usage = None, [], None
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            return {"error": f"HTTP {resp.status}: {(await resp.text())[:200]}"}
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                if choice.get("text"):
+                    ttft = ttft or time.perf_counter() - start
+                    text.append(choice["text"])
+    return {"ttft": ttft or time.perf_counter() - start, "seconds": time.perf_counter() - start,
+            "text": "".join(text), "usage": usage}
+
+
+async def scenario(url: str, concurrency: int, rounds: int, texts: list[str], extra: dict,
+                   max_tokens: int, tokenizer) -> dict:
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async def client(c: int):
+            out = []
+            for r in range(rounds):
+                prompt = texts[(c * rounds + r) % len(texts)]
+                body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                        "stream_options": {"include_usage": True}, **extra}
+                out.append(await one_request(session, url, body))
+            return out
+
+        await one_request(session, url, {"prompt": texts[0], "max_tokens": 8, "stream": True, **extra})
+        start = time.perf_counter()
+        results = [r for rs in await asyncio.gather(*(client(c) for c in range(concurrency))) for r in rs]
+        wall = time.perf_counter() - start
+    ok = [r for r in results if "error" not in r]
+    tokens = sum(r["usage"]["completion_tokens"] if r["usage"] else
+                 len(tokenizer.encode(r["text"], add_special_tokens=False)) for r in ok)
+    ttfts = sorted(r["ttft"] for r in ok)
+    return {"requests": len(results), "errors": [r["error"] for r in results if "error" in r],
+            "tokens": tokens, "wall_s": round(wall, 3), "tok_per_s": round(tokens / wall, 1),
+            "ttft_p50_ms": round(1e3 * statistics.median(ttfts), 1) if ttfts else None,
+            "ttft_p95_ms": round(1e3 * ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))], 1) if ttfts else None}
+
+
+class Server:
+    def __init__(self, name: str, argv: list[str], port: int, log: Path):
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, MACSPEC_HOME=str(log.parent / "home")))
+
+    def wait(self, path: str, timeout: float = 300) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.name} exited; see {self.log.name}")
+            try:
+                urllib.request.urlopen(self.url + path, timeout=2)
+                return
+            except OSError:
+                time.sleep(0.5)
+        raise SystemExit(f"{self.name} did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", default="1,4,8,16")
+    ap.add_argument("--rounds", type=int, default=2, help="requests per client")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--num-draft", type=int, default=4)
+    ap.add_argument("--quick", action="store_true", help="1,4 clients, 32 tokens, 1 round")
+    ap.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx_lm.server rows")
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+    if args.quick:
+        args.concurrency, args.max_tokens, args.rounds = "1,4", 32, 1
+    levels = [int(c) for c in args.concurrency.split(",")]
+
+    import macspec  # noqa: F401  (OpenBLAS before mlx)
+    from macspec.blas import blas_info
+    from macspec.models.loader import resolve_path
+    from transformers import AutoTokenizer  # ships with mlx-lm
+
+    work = Path(tempfile.mkdtemp(prefix="macspec-bench-"))
+    target = float32_copy(resolve_path("embedded:tiny-target"), work / "target")
+    draft = float32_copy(resolve_path("embedded:tiny-draft"), work / "draft")
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    texts = prompts(32)
+    profile = work / "bench.toml"
+    profile.write_text(f'name = "bench"\n[model]\npath = "{target}"\ndtype = "float32"\nchat = false\n'
+                       f'[speculative]\nmethod = "draft"\ndraft_model = "{draft}"\n'
+                       f'num_draft_tokens = {args.num_draft}\n[kv]\nmax_context = 4096\n'
+                       f'[server]\nmax_batch = {max(levels)}\nmax_queue = 256\n')
+    py = sys.executable
+    mlx_lm_cmd = [py, "-c", "import macspec, runpy, sys; sys.argv = sys.argv[1:]; "
+                  "runpy.run_module('mlx_lm.server', run_name='__main__')", "mlx_lm.server"]
+    configs = [("macspec spec on", [py, "-m", "macspec", "serve", "--profile", str(profile)], {}, "/health"),
+               ("macspec spec off", None, {"speculative": {"method": "none"}}, "/health")]
+    if not args.no_mlx_lm:
+        base = [*mlx_lm_cmd, "--model", str(target), "--max-tokens", str(args.max_tokens)]
+        configs += [("mlx_lm.server", base, {}, "/v1/models"),
+                     ("mlx_lm.server draft", [*base, "--draft-model", str(draft), "--num-draft-tokens",
+                                              str(args.num_draft)], {}, "/v1/models")]
+    table: dict[str, dict] = {}
+    server = None
+    for name, argv, extra, probe in configs:
+        if argv is not None:
+            if server:
+                server.stop()
+            port = free_port()
+            flag = ["--port", str(port)]
+            server = Server(name, argv + flag, port, work / f"{name.replace(' ', '_')}.log")
+            server.wait(probe)
+        table[name] = {}
+        for c in levels:
+            table[name][c] = asyncio.run(scenario(server.url, c, args.rounds, texts, extra,
+                                                  args.max_tokens, tokenizer))
+            row = table[name][c]
+            print(f"{name:22s} c={c:2d}  {row['tok_per_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50_ms']} ms "
+                  f"p95 {row['ttft_p95_ms']} ms  errors {len(row['errors'])}", flush=True)
+    if server:
+        server.stop()
+    print(f"\nBLAS {blas_info()['name']}; {args.rounds} request(s) per client, {args.max_tokens} tokens, greedy")
+    header = "| config | " + " | ".join(f"c={c} tok/s (TTFT p50/p95 ms)" for c in levels) + " |"
+    print(header)
+    print("|" + "---|" * (len(levels) + 1))
+    for name, rows in table.items():
+        cells = [f"{r['tok_per_s']} ({r['ttft_p50_ms']}/{r['ttft_p95_ms']})" + (f" {len(r['errors'])} err" if r["errors"] else "")
+                 for r in rows.values()]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    base = table["macspec spec off"]
+    print("| macspec on / off | " + " | ".join(f"{table['macspec spec on'][c]['tok_per_s'] / base[c]['tok_per_s']:.2f}x"
+                                               for c in levels) + " |")
+    if "mlx_lm.server" in table:
+        for name in ("mlx_lm.server", "mlx_lm.server draft"):
+            print(f"| macspec on / {name} | " + " | ".join(
+                f"{table['macspec spec on'][c]['tok_per_s'] / max(table[name][c]['tok_per_s'], 1e-9):.2f}x"
+                for c in levels) + " |")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(table, indent=2))
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
