@@ -55,7 +55,7 @@ def prompts(count: int) -> list[str]:
 
     texts = [t for t in corpus.read_texts(heldout=True) if len(t) > 3000]
     step = max(1, len(texts) // count)
-    return [texts[i * step][:400] for i in range(count)]
+    return [texts[(i * step) % len(texts)][:400] for i in range(count)]
 
 
 async def one_request(session, url, body) -> dict:
@@ -194,7 +194,7 @@ def main() -> None:
                   f"p95 {row['ttft_p95_ms']} ms  errors {len(row['errors'])}", flush=True)
     if server:
         server.stop()
-    print(f"\nBLAS {blas_info()['name']}; {args.rounds} request(s) per client, {args.max_tokens} tokens, greedy")
+    print(f"\nBLAS {blas_info().name}; {args.rounds} request(s) per client, {args.max_tokens} tokens, greedy")
     header = "| config | " + " | ".join(f"c={c} tok/s (TTFT p50/p95 ms)" for c in levels) + " |"
     print(header)
     print("|" + "---|" * (len(levels) + 1))
