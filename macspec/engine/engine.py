@@ -24,7 +24,7 @@ from .batch_cache import BatchKV
 from .cache import eval_cache, make_trimmable_cache
 from .generator import GenerationStats
 from .prefix_cache import PrefixCache
-from .request import Accepted, Failed, GenerationRequest
+from .request import Accepted, Failed, GenerationRequest, emit_safely
 from .runtime import Runtime
 from .sampling import Rng
 from .sequence import Sequence
@@ -134,9 +134,9 @@ class Engine:
                 seq = self._make_sequence(payload)
             except MacspecError as err:
                 self.totals["failed"] += 1
-                _safe_emit(payload, Failed(err))
+                emit_safely(payload, Failed(err))
                 continue
-            _safe_emit(payload, Accepted())
+            emit_safely(payload, Accepted())
             self.totals["requests"] += 1
             with self._lock:
                 self.waiting.append(seq)
@@ -392,10 +392,3 @@ def memory_snapshot() -> dict:
 
 def _plain_greedy(seq: Sequence) -> bool:
     return seq.params.is_greedy and not seq.params.has_penalty
-
-
-def _safe_emit(request: GenerationRequest, event) -> None:
-    try:
-        request.sink(event)
-    except Exception:
-        pass

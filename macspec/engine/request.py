@@ -50,3 +50,11 @@ class GenerationRequest:
     ignore_eos: bool = False  # benchmarks: always generate max_tokens (vLLM's option)
     id: int = field(default_factory=lambda: next(_ids))
     created: float = field(default_factory=time.monotonic)
+
+
+def emit_safely(request: GenerationRequest, event: Event) -> None:
+    """Deliver an event; a sink whose client went away must not take the engine down."""
+    try:
+        request.sink(event)
+    except Exception:
+        pass

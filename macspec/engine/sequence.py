@@ -10,7 +10,7 @@ import mlx.core as mx
 from ..spec.base import Proposer
 from ..spec.planner import RowController
 from .generator import GenerationStats, take_until_finish
-from .request import Event, Finished, GenerationRequest, Tokens
+from .request import Event, Finished, GenerationRequest, Tokens, emit_safely
 from .sampling import Rng
 
 
@@ -49,10 +49,7 @@ class Sequence:
         return max(0, min(left, max_context - len(self.committed)))
 
     def emit(self, event: Event) -> None:
-        try:
-            self.request.sink(event)
-        except Exception:  # a sink whose client went away must not take the engine down
-            pass
+        emit_safely(self.request, event)
 
     def commit(self, new: list[int]) -> None:
         """Append the step's tokens, emit what the client sees, set finish_reason if done."""

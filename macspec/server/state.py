@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -78,7 +79,7 @@ class ServerState:
             return
         except MacspecError as err:
             body = error_body(err.http_status, str(err), err.error_type, err.param, anthropic)
-            line = f"event: error\ndata: {_json(body)}\n\n" if anthropic else f"data: {_json(body)}\n\n"
+            line = f"event: error\ndata: {json.dumps(body)}\n\n" if anthropic else f"data: {json.dumps(body)}\n\n"
             try:
                 await response.write(line.encode())
             except ConnectionResetError:
@@ -91,12 +92,6 @@ class ServerState:
             await response.write_eof()
         except ConnectionResetError:
             pass
-
-
-def _json(value) -> str:
-    import json
-
-    return json.dumps(value)
 
 
 STATE = web.AppKey("state", ServerState)
