@@ -119,5 +119,17 @@ def ensure_fast_blas() -> BlasInfo:
     return _INFO
 
 
+def set_threads(count: int) -> bool:
+    """Cap OpenBLAS's threads (ranks sharing a machine must not oversubscribe its cores:
+    OpenBLAS threads spin while they wait). True when OpenBLAS took it."""
+    if blas_info().name != "openblas":
+        return False
+    try:
+        ctypes.CDLL(None).openblas_set_num_threads(max(1, count))
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
 def blas_info() -> BlasInfo:
     return _INFO or ensure_fast_blas()

@@ -163,6 +163,19 @@ def stop():
     click.echo(f"stopped pid {record['pid']}")
 
 
+@main.command("tp-worker", hidden=True)
+@profile_option
+@click.option("--rank", type=click.IntRange(1), required=True)
+@click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
+def tp_worker(profile, rank, log_level):
+    """A tensor-parallel worker rank (started by rank 0, never by hand)."""
+    from .distributed.worker import worker_main
+
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+    worker_main(profile, rank)
+
+
 @main.group()
 def profiles():
     """List and inspect profiles."""

@@ -134,6 +134,11 @@ class ParallelConfig:
                                               "JACCL: RDMA device per (rank, peer); \"\" on the diagonal")
     coordinator: str | None = spec(None, _optional(_string), "JACCL coordinator host:port")
     ssh_user: str | None = spec(None, _optional(_string), "user for ssh to remote hosts")
+    port: int = spec(32323, _range(1, 65535, integer=True),
+                     "ring: rank r listens on port + r (all-local groups pick free ports)")
+    python: str = spec("python3", _string, "interpreter with macspec on remote hosts (ssh)")
+    step_timeout_s: float = spec(60.0, _range(0.5, 3600), "a collective step slower than this "
+                                 "fails the requests and stops the daemon")
 
 
 @dataclass

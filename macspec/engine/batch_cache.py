@@ -103,6 +103,12 @@ class BatchKV:
         mx.eval(out)
         return out
 
+    def row_nbytes(self, length: int) -> int:
+        """Bytes one row's first `length` positions take (every row has the same layout)."""
+        per_position = sum(b.nbytes // (b.shape[0] * b.shape[2])
+                           for layer in self.layers if layer.buffers for b in layer.buffers)
+        return per_position * length
+
     def begin(self, window: int) -> None:
         """Prepare a forward of `window` new positions for every row."""
         self.window = window

@@ -20,23 +20,24 @@ from ..spec.base import Proposal
 from ..spec.planner import BatchPlanner, RowController
 from ..spec.stats import SpecStats
 from ..spec.verify import accept_greedy_choices, verify_greedy, verify_sampling
-from .batch_cache import BatchKV
-from .cache import eval_cache, make_trimmable_cache
 from .generator import GenerationStats
 from .prefix_cache import PrefixCache
 from .request import Accepted, Failed, GenerationRequest, emit_safely
 from .runtime import Runtime
 from .sampling import Rng
 from .sequence import Sequence
+from .target_state import NO_ENTRY, TargetState
 
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5
+HEARTBEAT_S = 1.0  # tensor parallelism: an idle rank 0 proves itself alive this often
 STATS_LOG_INTERVAL_S = 30.0
 
 
 class Engine:
-    def __init__(self, runtime: Runtime, max_batch: int | None = None, max_queue: int | None = None):
+    def __init__(self, runtime: Runtime, max_batch: int | None = None, max_queue: int | None = None,
+                 tp=None):
         profile = runtime.profile
         self.runtime = runtime
         self.view = runtime.view
@@ -47,12 +48,14 @@ class Engine:
         if profile.kv.kv_bits:
             logger.warning("kv.kv_bits = %d is applied by `macspec run` only; the serving engine keeps "
                            "its batched KV in the model's dtype", profile.kv.kv_bits)
-        self.kv = BatchKV(len(self.view.model.layers))
+        self.tp = tp  # a TPContext: every target op is mirrored to the workers
+        self.watchdog = None
+        self.target = self._make_target(TargetState(self.view))
         self.prefix_cache = PrefixCache(profile.kv.prefix_cache_mb * 2**20)
         self.planner = BatchPlanner()
         self.waiting: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()
-        self.decoding: list[Sequence] = []  # index i <-> row i of self.kv
+        self.decoding: list[Sequence] = []  # index i <-> row i of the target's batched KV
         self._inbox: deque = deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -60,14 +63,26 @@ class Engine:
         self._stopping = False
         self.started_at = time.time()
         self.degraded_reason: str | None = None
+        self.fatal_reason: str | None = None
         self.totals = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "rejected": 0,
                        "prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
         self.spec_totals: dict[str, SpecStats] = {}
         self.batch_histogram: dict[int, int] = {}
         self._last_log = time.perf_counter()
 
+    def _make_target(self, state: TargetState):
+        if self.tp is None:
+            return state
+        from ..distributed.channel import MirroredTarget
+        from ..distributed.watchdog import Watchdog
+
+        self.watchdog = Watchdog(self.tp.step_timeout_s, self.fatal, self.tp.peers)
+        return MirroredTarget(state, self.tp.channel, self.watchdog)
+
     # ---- thread-safe API -------------------------------------------------------------
     def start(self, calibrate: bool = True) -> None:
+        if self.watchdog is not None:
+            self.watchdog.start()
         if calibrate:
             self._calibrate()
         self._thread = threading.Thread(target=self._loop, name="macspec-engine", daemon=True)
@@ -77,7 +92,32 @@ class Engine:
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(2.0 if self.fatal_reason else timeout)
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.tp is not None:  # a thread stuck in a collective cannot say goodbye: reap
+            self.tp.close(clean=self.fatal_reason is None and not self._thread_alive())
+
+    def _thread_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def fatal(self, reason: str) -> None:
+        """A peer died or a step passed its deadline (any thread): fail every request now,
+        stop; the daemon exits non-zero. The engine thread may be stuck in a collective."""
+        with self._lock:
+            if self.fatal_reason:
+                return
+            self.fatal_reason = self.degraded_reason = reason
+        self._stopping = True
+        self._wake.set()
+        error = EngineUnavailableError(f"tensor parallelism failed: {reason}")
+        for _ in range(3):  # the engine thread may move sequences between queues meanwhile
+            try:
+                for seq in [*self.waiting, *self.prefilling, *self.decoding]:
+                    seq.emit(Failed(error))
+                break
+            except RuntimeError:
+                continue
 
     @property
     def alive(self) -> bool:
@@ -106,6 +146,7 @@ class Engine:
                 self._drain_inbox()
                 self._admit()
                 if not self.prefilling and not self.decoding:
+                    self.target.idle(HEARTBEAT_S)
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
                     continue
@@ -115,11 +156,17 @@ class Engine:
                     self._decode_step()
                 self.degraded_reason = None
             except Exception as exc:  # an engine bug must fail requests, never hang them
+                if self.tp is not None:  # the ranks may no longer be in lock-step
+                    logger.error("tensor-parallel step failed: %s", exc)
+                    self.fatal(str(exc))
+                    break
                 logger.exception("engine step failed")
                 self.degraded_reason = f"last step failed: {exc!r}"
                 self._fail_running(exc)
             self._maybe_log()
-        self._fail_everything(EngineUnavailableError("the server is shutting down"))
+        self._fail_everything(EngineUnavailableError(
+            f"tensor parallelism failed: {self.fatal_reason}" if self.fatal_reason
+            else "the server is shutting down"))
 
     def _drain_inbox(self) -> None:
         while True:
@@ -170,18 +217,17 @@ class Engine:
         while self.waiting and len(self.prefilling) + len(self.decoding) < self.max_batch:
             with self._lock:
                 seq = self.waiting.popleft()
-            seq.prefill_cache = make_trimmable_cache(self.view.model)
-            reused, layers = self.prefix_cache.lookup(seq.prompt)
-            if layers is not None:
-                for cache, (keys, values) in zip(seq.prefill_cache, layers):
-                    cache.update_and_fetch(keys, values)
-                seq.prefill_done = seq.reused_prefix = reused
+            reused, entry = self.prefix_cache.lookup(seq.prompt)
+            self.target.open_slot(seq.request.id, NO_ENTRY if entry is None else entry, reused)
+            seq.prefill_done = seq.reused_prefix = reused
             self.prefilling.append(seq)
 
     def _cancel(self, request_id: int) -> None:
         for queue in (self.waiting, self.prefilling):
             for seq in [s for s in queue if s.request.id == request_id]:
                 queue.remove(seq)
+                if queue is self.prefilling:
+                    self.target.close_slot(request_id, NO_ENTRY, 0)
                 self._close(seq, "cancelled")
         for index in [i for i, s in enumerate(self.decoding) if s.request.id == request_id]:
             self._remove_row(index, "cancelled")
@@ -190,34 +236,31 @@ class Engine:
     def _prefill_step(self, seq: Sequence) -> None:
         prompt, start = seq.prompt, seq.prefill_done
         chunk = prompt[start:start + self.prefill_chunk]
-        hidden = self.view.hidden(mx.array(chunk)[None], seq.prefill_cache)
-        eval_cache(seq.prefill_cache)
+        hidden, logits = self.target.prefill(seq.request.id, chunk)
         if seq.proposer is not None and seq.proposer.needs_hidden:
-            mx.eval(hidden)
-            seq.hidden_chunks.append(hidden[0])
+            seq.hidden_chunks.append(hidden)
         seq.prefill_done += len(chunk)
         self.totals["prompt_tokens"] += len(chunk)
         if seq.prefill_done < len(prompt):
             return
         self.prefilling.popleft()
-        logits = self.view.logits(hidden[0, -1:])
         first = self._accept(seq, logits, Proposal([]), None)[1]
         seq.stats.prompt_tokens = len(prompt)
         seq.stats.ttft_s = time.perf_counter() - seq.started
         seq.decode_started = time.perf_counter()
         seq.commit([first])
         self.totals["generated_tokens"] += min(1, seq.stats.generated_tokens)
+        slot = seq.request.id
         if seq.finished:
-            self._store_prefix(prompt, [tuple(mx.contiguous(a[:, :, :len(prompt)]) for a in c.state[:2])
-                                        for c in seq.prefill_cache])
+            entry = self._store_prefix(prompt, self.target.slot_nbytes(slot, len(prompt)))
+            self.target.close_slot(slot, entry, len(prompt))
             self._close(seq)
             return
         if seq.proposer is not None:
             hidden_rows = mx.concatenate(seq.hidden_chunks) if seq.hidden_chunks else None
             seq.proposer.start(prompt, hidden_rows, hidden_start=seq.reused_prefix)
         seq.hidden_chunks = []
-        self.kv.add_row(seq.prefill_cache, len(prompt))
-        seq.prefill_cache = None
+        self.target.slot_to_row(slot, len(prompt))
         self.decoding.append(seq)
 
     # ---- decode ----------------------------------------------------------------------
@@ -229,19 +272,16 @@ class Engine:
         window = max(len(p.tokens) for p in proposals) + 1
         tokens = [[seq.committed[-1], *p.tokens] + [0] * (window - 1 - len(p.tokens))
                   for seq, p in zip(rows, proposals)]
-        self.kv.begin(window)
-        logits, hidden = self.view.forward(mx.array(tokens), self.kv.layers)
-        wants_hidden = any(s.proposer is not None and s.proposer.needs_hidden for s in rows)
+        logits, hidden = self.target.decode(len(rows), window, [t for row in tokens for t in row])
         greedy_choice = self._greedy_choices(rows, logits)
-        mx.eval(logits, *([hidden] if wants_hidden else []),
-                *([greedy_choice] if greedy_choice is not None else []))
         if greedy_choice is not None:
             greedy_choice = greedy_choice.tolist()
+        kept = []
         t_forward = time.perf_counter()
         for i, (seq, proposal) in enumerate(zip(rows, proposals)):
             choice = greedy_choice[i] if greedy_choice is not None and _plain_greedy(seq) else None
             n, token = self._accept(seq, logits[i, :len(proposal.tokens) + 1], proposal, choice)
-            self.kv.advance(i, n + 1)
+            kept.append(n + 1)
             drafted = len(proposal.tokens)
             if seq.proposer is not None and seq.proposer.needs_hidden:
                 seq.proposer.observe(hidden[i, :n + 1])
@@ -252,6 +292,7 @@ class Engine:
             before = seq.stats.generated_tokens
             seq.commit(new)
             self.totals["generated_tokens"] += seq.stats.generated_tokens - before
+        self.target.advance(kept)
         t_end = time.perf_counter()
         self.planner.observe_step(len(rows), window, t_forward - t_proposed, t_end - t_forward)
         self.totals["steps"] += 1
@@ -289,15 +330,21 @@ class Engine:
 
     def _remove_row(self, index: int, reason: str | None = None) -> None:
         seq = self.decoding.pop(index)
+        entry, length = NO_ENTRY, 0
         if reason is None:  # finished normally: its KV may serve a later prompt's prefix
-            length = self.kv.lengths[index]
-            self._store_prefix(seq.committed[:length], self.kv.export_row(index, length))
-        self.kv.remove_row(index)
+            length = self.target.kv.lengths[index]
+            entry = self._store_prefix(seq.committed[:length], self.target.row_nbytes(length))
+        self.target.remove_row(index, entry, length)
         self._close(seq, reason)
 
-    def _store_prefix(self, tokens: list[int], layers) -> None:
-        if self.prefix_cache.max_bytes:
-            self.prefix_cache.store(tokens, layers)
+    def _store_prefix(self, tokens: list[int], nbytes: int) -> int:
+        """Admit `tokens` to the prefix index -> the entry id to store under (or NO_ENTRY)."""
+        if not self.prefix_cache.max_bytes:
+            return NO_ENTRY
+        entry, dropped = self.prefix_cache.store(tokens, nbytes)
+        if dropped:
+            self.target.drop_prefixes(dropped)
+        return NO_ENTRY if entry is None else entry
 
     def _close(self, seq: Sequence, reason: str | None = None) -> None:
         seq.finish(reason)
@@ -312,7 +359,7 @@ class Engine:
             self.totals["failed"] += 1
         self.prefilling.clear()
         self.decoding.clear()
-        self.kv = BatchKV(len(self.view.model.layers))
+        self.target.reset()
 
     def _fail_everything(self, error: MacspecError) -> None:
         self._drain_inbox()
@@ -330,22 +377,11 @@ class Engine:
     def _calibrate(self) -> None:
         """Time the target forward at a few (rows, window) shapes to seed the cost model."""
         k_max = max(1, self.runtime.profile.speculative.num_draft_tokens)
-        prompt = list(range(1, 17))
         for rows in (1, 4):
-            kv = BatchKV(len(self.view.model.layers))
-            for _ in range(rows):
-                cache = make_trimmable_cache(self.view.model)
-                self.view.hidden(mx.array(prompt)[None], cache)
-                eval_cache(cache)
-                kv.add_row(cache, len(prompt))
             for window in (1, k_max + 1):
-                for repeat in range(3):  # the first run of a shape pays one-off costs
-                    kv.begin(window)
-                    t0 = time.perf_counter()
-                    logits, _ = self.view.forward(mx.array([[1] * window] * rows), kv.layers)
-                    mx.eval(logits)
-                    if repeat:
-                        self.planner.forward.observe(rows, window, time.perf_counter() - t0)
+                # The first run of a shape pays one-off costs.
+                for seconds in self.target.time_forward(rows, window, 3)[1:]:
+                    self.planner.forward.observe(rows, window, seconds)
         logger.info("calibrated target forward cost (ms): %s", self.planner.as_dict()["forward_ms"])
 
     def _maybe_log(self) -> None:
@@ -377,9 +413,17 @@ class Engine:
             "rows": {"k_in_use": [seq.row.last_k for seq in rows], "states": states},
             "cost_model": self.planner.as_dict(),
             "prefix_cache": self.prefix_cache.as_dict(),
-            "kv_cache_bytes": self.kv.nbytes(),
+            "kv_cache_bytes": self.target.kv.nbytes(),
             "memory": memory_snapshot(),
+            "tensor_parallel": self._tp_status(),
         }
+
+    def _tp_status(self) -> dict | None:
+        if self.tp is None:
+            return None
+        return {"ranks": self.tp.size, "plans": self.tp.channel.sequence,
+                "plan_collectives": self.tp.channel.collectives,
+                "step_timeout_s": self.tp.step_timeout_s, "worker_pids": self.tp.peers.pids}
 
 
 def memory_snapshot() -> dict:

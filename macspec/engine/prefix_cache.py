@@ -1,10 +1,14 @@
-"""KV of finished requests, reused when a new prompt starts with the same tokens."""
+"""Which finished requests' KV to keep for prompts that start with the same tokens.
+
+This is the index only (tokens -> entry id, sizes, LRU order); the KV itself lives in each
+rank's TargetState under the entry id, so under tensor parallelism rank 0 decides what is kept
+and evicted and every rank stores and drops the same entries.
+"""
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-
-import mlx.core as mx
 
 from ..spec.base import first_divergence
 
@@ -14,15 +18,16 @@ MIN_REUSE = 4  # shorter shared prefixes are not worth a copy
 class PrefixCache:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self.entries: OrderedDict[tuple[int, ...], list[tuple[mx.array, ...]]] = OrderedDict()
+        self.entries: OrderedDict[tuple[int, ...], tuple[int, int]] = OrderedDict()  # -> (id, bytes)
+        self._ids = itertools.count()
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
         self.reused_tokens = 0
 
-    def lookup(self, prompt: list[int]) -> tuple[int, list[tuple[mx.array, ...]] | None]:
-        """(m, per-layer arrays for the first m tokens); m <= len(prompt) - 1 so the last prompt
-        token is always computed (its logits start the generation)."""
+    def lookup(self, prompt: list[int]) -> tuple[int, int | None]:
+        """(m, entry id) of the longest stored prefix of `prompt`; m <= len(prompt) - 1 so the
+        last prompt token is always computed (its logits start the generation)."""
         best_len, best_key = 0, None
         for key in self.entries:
             n = min(first_divergence(key, prompt), len(prompt) - 1)
@@ -34,34 +39,26 @@ class PrefixCache:
         self.entries.move_to_end(best_key)
         self.hits += 1
         self.reused_tokens += best_len
-        layers = [tuple(a[:, :, :best_len] for a in arrays) for arrays in self.entries[best_key]]
-        return best_len, layers
+        return best_len, self.entries[best_key][0]
 
-    def store(self, tokens: list[int], layers: list[tuple[mx.array, ...]]) -> None:
+    def store(self, tokens: list[int], nbytes: int) -> tuple[int | None, list[int]]:
+        """Admit `tokens` (their KV takes `nbytes`) -> (new entry id or None, ids to drop)."""
         key = tuple(tokens)
-        size = _nbytes(layers)
-        if len(key) < MIN_REUSE or size > self.max_bytes:
-            return
-        for old in [k for k in self.entries if key[:len(k)] == k]:  # superseded by a longer one
-            self._drop(old)
-        if key in self.entries:
-            return
-        self.entries[key] = layers
-        self.nbytes += size
+        if len(key) < MIN_REUSE or nbytes > self.max_bytes or key in self.entries:
+            return None, []
+        dropped = [self._drop(old) for old in [k for k in self.entries if key[:len(k)] == k]]
+        entry = next(self._ids)
+        self.entries[key] = (entry, nbytes)
+        self.nbytes += nbytes
         while self.nbytes > self.max_bytes:
-            self._drop(next(iter(self.entries)))
+            dropped.append(self._drop(next(iter(self.entries))))
+        return entry, dropped
 
-    def clear(self) -> None:
-        self.entries.clear()
-        self.nbytes = 0
-
-    def _drop(self, key) -> None:
-        self.nbytes -= _nbytes(self.entries.pop(key))
+    def _drop(self, key) -> int:
+        entry, nbytes = self.entries.pop(key)
+        self.nbytes -= nbytes
+        return entry
 
     def as_dict(self) -> dict:
         return {"entries": len(self.entries), "bytes": self.nbytes, "hits": self.hits,
                 "misses": self.misses, "reused_tokens": self.reused_tokens}
-
-
-def _nbytes(layers) -> int:
-    return sum(a.nbytes for arrays in layers for a in arrays)

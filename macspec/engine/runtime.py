@@ -11,6 +11,7 @@ from ..models.compat import check_draft_compatible
 from ..models.loader import LoadedModel, load_model, load_mtp_head
 from ..models.mtp import MTPHead
 from ..models.target import TargetView
+from .target_state import TargetState
 from ..spec.base import Proposer
 from ..spec.draft import DraftProposer
 from ..spec.mtp import MTPProposer
@@ -66,9 +67,14 @@ class Runtime:
             raise RequestError(self.unavailable[method]) from err
 
     @classmethod
-    def load(cls, profile: Profile) -> "Runtime":
+    def load(cls, profile: Profile, tp=None) -> "Runtime":
+        """`tp` (a TPContext): load this rank's shard; proposers stay whole, on rank 0 only."""
         m = profile.model
-        target = load_model(m.path, m.dtype, m.revision, m.trust_remote_code)
+        target = load_model(m.path, m.dtype, m.revision, m.trust_remote_code,
+                            group=tp.group if tp else None)
+        if tp is not None:  # the workers run this check with us, inside their plan loop
+            tp.send_op("check_hidden")
+            target.hidden_is_final = TargetState(TargetView(target.model)).check_hidden()
         method = profile.speculative.method
         runtime = cls(profile, target, method)
         if method == "draft":

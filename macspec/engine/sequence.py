@@ -10,7 +10,7 @@ import mlx.core as mx
 from ..spec.base import Proposer
 from ..spec.planner import RowController
 from .generator import GenerationStats, take_until_finish
-from .request import Event, Finished, GenerationRequest, Tokens, emit_safely
+from .request import Event, Failed, Finished, GenerationRequest, Tokens, emit_safely
 from .sampling import Rng
 
 
@@ -24,12 +24,12 @@ class Sequence:
     rng: Rng
     eos: set[int]
     committed: list[int] = field(default_factory=list)
-    prefill_cache: list | None = None
     prefill_done: int = 0  # prompt tokens already in prefill_cache (prefix reuse included)
     reused_prefix: int = 0
     hidden_chunks: list[mx.array] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     decode_started: float = 0.0
+    closed: bool = False  # Finished or Failed was emitted; later events are dropped
 
     @property
     def prompt(self) -> list[int]:
@@ -49,6 +49,9 @@ class Sequence:
         return max(0, min(left, max_context - len(self.committed)))
 
     def emit(self, event: Event) -> None:
+        if self.closed:
+            return
+        self.closed = isinstance(event, (Finished, Failed))
         emit_safely(self.request, event)
 
     def commit(self, new: list[int]) -> None:

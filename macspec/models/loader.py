@@ -33,6 +33,7 @@ class LoadedModel:
     tokenizer: object  # mlx_lm TokenizerWrapper
     path: Path
     config: dict
+    hidden_is_final: bool | None = None  # hidden -> logits == full forward; None = not checked
 
 
 def embedded_names() -> list[str]:
@@ -99,21 +100,36 @@ def _classes_without_mtp(config: dict):
 
 
 def load_model(spec: str, dtype: str = "auto", revision: str | None = None,
-               trust_remote_code: bool = False) -> LoadedModel:
+               trust_remote_code: bool = False, group=None) -> LoadedModel:
+    """`group` (an mx.distributed group of size > 1): keep only this rank's tensor shard."""
     from mlx_lm.utils import load_model as mlx_load_model, load_tokenizer
 
     path = resolve_path(spec, revision)
     try:
-        model, config = mlx_load_model(path, get_model_classes=_classes_without_mtp,
+        # Lazy, so a sharded rank never materialises the weights it drops.
+        model, config = mlx_load_model(path, lazy=True, get_model_classes=_classes_without_mtp,
                                        trust_remote_code=trust_remote_code)
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except (ValueError, FileNotFoundError, KeyError, OSError) as err:
         raise ModelLoadError(f"{path}: cannot load model: {err}") from None
+    if group is not None and group.size() > 1:
+        _shard(model, group, path, config)
     target_dtype = compute_dtype(dtype)
     if target_dtype is not None:
         model.set_dtype(target_dtype)
     mx.eval(model.parameters())
     return LoadedModel(model, tokenizer, path, config)
+
+
+def _shard(model: nn.Module, group, path: Path, config: dict) -> None:
+    if not hasattr(model, "shard"):
+        raise UnsupportedModelError(f"{path}: mlx-lm's {config.get('model_type')!r} model has no "
+                                    "tensor-parallel shard(); use tensor_parallel = 1")
+    heads = config.get("num_key_value_heads") or config.get("num_attention_heads") or 0
+    if heads and heads % group.size():
+        raise UnsupportedModelError(f"{path}: {heads} KV heads do not split over "
+                                    f"{group.size()} ranks")
+    model.shard(group)
 
 
 def _mtp_weight_files(path: Path, layer: int) -> list[Path]:
@@ -149,8 +165,9 @@ def load_mtp_head(target: LoadedModel) -> MTPHead:
         raise UnsupportedModelError(
             f"{path}: the config has no MTP layer (num_nextn_predict_layers is 0 or missing); "
             "use --method draft or ngram")
-    view = TargetView(target.model)
-    if not view.matches_full_forward(mx.array([[0, 1, 2]])):
+    if target.hidden_is_final is None:  # under TP every rank checked it together at start
+        target.hidden_is_final = TargetView(target.model).matches_full_forward(mx.array([[0, 1, 2]]))
+    if not target.hidden_is_final:
         raise UnsupportedModelError(f"{path}: this architecture transforms the hidden state "
                                     "after the final norm; MTP needs it exactly")
     prefix = f"model.layers.{layer}."

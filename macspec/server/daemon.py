@@ -70,17 +70,14 @@ def _alive(pid: int) -> bool:
 
 
 def serve_foreground(profile: Profile, host: str, port: int, api_key: str | None) -> None:
-    from ..engine.engine import Engine
-    from ..engine.runtime import Runtime
+    from ..engine.launch import start_engine
     from .app import serve_forever
 
     existing = read_record()
     if existing and existing["pid"] != os.getpid():
         logger.warning("another macspec server is running (pid %d, port %d); `macspec stop` ends it",
                        existing["pid"], existing["port"])
-    runtime = Runtime.load(profile)
-    engine = Engine(runtime)
-    engine.start()
+    engine = start_engine(profile)
     record_path = pid_file()
 
     def on_ready(bound_port: int) -> None:

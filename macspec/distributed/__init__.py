@@ -1,0 +1,1 @@
+"""Tensor parallelism: peer bootstrap, handshake, rank-0 step plans, liveness."""

@@ -1,0 +1,212 @@
+"""Start a tensor-parallel group from a profile: the group description, the peer processes
+(local for this machine's hosts, ssh for the others), and joining mx.distributed.
+
+Rank 0 is the process the user started (`macspec serve` / `run`); it launches ranks 1..n-1
+with `python -m macspec tp-worker` and passes the group description in MACSPEC_TP_GROUP.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from ..config import ParallelConfig, Profile
+from ..errors import MacspecError
+
+logger = logging.getLogger(__name__)
+
+GROUP_ENV = "MACSPEC_TP_GROUP"
+LOCAL_NAMES = {"127.0.0.1", "localhost", "::1"}
+JOIN_TIMEOUT_S = 120.0
+
+
+class BootstrapError(MacspecError):
+    """The group could not be formed (peer failed to start, backend init failed)."""
+
+
+def is_local(host: str) -> bool:
+    return host in LOCAL_NAMES | {socket.gethostname(), socket.getfqdn()}
+
+
+def host_of(par: ParallelConfig, rank: int) -> str:
+    return par.hosts[rank] if len(par.hosts) > 1 else par.hosts[0]
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def group_spec(par: ParallelConfig) -> dict:
+    """The JSON-able description every rank joins from (hostfile / RDMA devices)."""
+    world = par.tensor_parallel
+    hosts = [host_of(par, r) for r in range(world)]
+    if par.backend == "ring":
+        if all(is_local(h) for h in hosts):
+            addresses = [f"127.0.0.1:{p}" for p in _free_ports(world)]
+        else:
+            addresses = [f"{socket.gethostbyname(h)}:{par.port + r}" for r, h in enumerate(hosts)]
+        return {"backend": "ring", "world": world, "hostfile": [[a] for a in addresses]}
+    if par.backend == "jaccl":
+        if not par.ibv_devices or not par.coordinator:
+            raise BootstrapError("parallel.backend = 'jaccl' needs parallel.ibv_devices and "
+                                 "parallel.coordinator in the profile (see `macspec doctor --peers`)")
+        return {"backend": "jaccl", "world": world, "devices": par.ibv_devices,
+                "coordinator": par.coordinator}
+    raise BootstrapError(f"parallel.backend = {par.backend!r} cannot form a group of {world}")
+
+
+def share_cores(spec: dict, rank: int) -> None:
+    """Ranks on one machine split its cores (OpenBLAS threads spin; oversubscribed, a TP2
+    forward on 2 cores ran 4x slower)."""
+    from ..blas import set_threads
+
+    if spec["backend"] != "ring":
+        return
+    hosts = [entry[0].rsplit(":", 1)[0] for entry in spec["hostfile"]]
+    mine = hosts.count(hosts[rank])
+    if mine > 1:
+        set_threads((os.cpu_count() or 1) // mine)
+
+
+def join_group(spec: dict, rank: int):
+    """mx.distributed.init for this rank from `spec` (writes the files MLX reads)."""
+    import mlx.core as mx
+
+    share_cores(spec, rank)
+    folder = Path(tempfile.mkdtemp(prefix="macspec-tp-"))
+    os.environ["MLX_RANK"] = str(rank)
+    if spec["backend"] == "ring":
+        (folder / "hosts.json").write_text(json.dumps(spec["hostfile"]))
+        os.environ["MLX_HOSTFILE"] = str(folder / "hosts.json")
+    else:
+        (folder / "devices.json").write_text(json.dumps(spec["devices"]))
+        os.environ["MLX_IBV_DEVICES"] = str(folder / "devices.json")
+        os.environ["MLX_JACCL_COORDINATOR"] = spec["coordinator"]
+    try:
+        group = mx.distributed.init(backend=spec["backend"], strict=True)
+    except (RuntimeError, ValueError) as err:
+        raise BootstrapError(f"rank {rank}: mx.distributed.init({spec['backend']!r}) failed: {err}") from None
+    if group.size() != spec["world"] or group.rank() != rank:
+        raise BootstrapError(f"joined a group of {group.size()} as rank {group.rank()}; expected "
+                             f"{spec['world']} ranks with this one as rank {rank}")
+    return group
+
+
+class Peers:
+    """The worker processes rank 0 started; their exit is noticed within a watchdog poll."""
+
+    def __init__(self):
+        self.procs: list[tuple[int, str, subprocess.Popen, Path]] = []
+        self.stopping = False
+        self.log_dir = Path(tempfile.mkdtemp(prefix="macspec-tp-logs-"))
+
+    @classmethod
+    def launch(cls, profile: Profile, spec: dict) -> "Peers":
+        peers = cls()
+        for rank in range(1, spec["world"]):
+            peers._start(profile, spec, rank)
+        return peers
+
+    def _start(self, profile: Profile, spec: dict, rank: int) -> None:
+        par = profile.parallel
+        host = host_of(par, rank)
+        log = self.log_dir / f"rank{rank}.log"
+        group_json = json.dumps(spec)
+        if is_local(host):
+            argv = [sys.executable, "-m", "macspec", "tp-worker", "--profile",
+                    profile.source or profile.name, "--rank", str(rank)]
+            env = {**os.environ, GROUP_ENV: group_json}
+        else:
+            argv = ssh_command(par, host, profile.name, rank, group_json)
+            env = dict(os.environ)
+        logger.info("starting rank %d on %s (log %s)", rank, host, log)
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append((rank, host, proc, log))
+
+    def first_exited(self) -> str | None:
+        if self.stopping:
+            return None
+        for rank, host, proc, log in self.procs:
+            code = proc.poll()
+            if code is not None:
+                return f"rank {rank} on {host} exited with code {code}{log_tail(log)}"
+        return None
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Wait for workers told to stop; terminate, then kill, the ones that do not."""
+        self.stopping = True
+        deadline = time.monotonic() + timeout
+        for _, _, proc, _ in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+        for _, _, proc, _ in self.procs:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    @property
+    def pids(self) -> list[int]:
+        return [proc.pid for _, _, proc, _ in self.procs]
+
+
+def ssh_command(par: ParallelConfig, host: str, profile_name: str, rank: int, group_json: str) -> list[str]:
+    target = f"{par.ssh_user}@{host}" if par.ssh_user else host
+    remote = (f"{GROUP_ENV}={shlex.quote(group_json)} exec {par.python} -m macspec tp-worker "
+              f"--profile {shlex.quote(profile_name)} --rank {rank}")
+    return ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", target, remote]
+
+
+def log_tail(path: Path, lines: int = 6) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()[-lines:]
+    except OSError:
+        return ""
+    return (": " + " | ".join(line.strip() for line in text)) if text else ""
+
+
+def join_with_peers(spec: dict, peers: Peers):
+    """Rank 0 joins while watching the peers: one that dies during init fails fast, with its log."""
+    result: dict = {}
+
+    def init():
+        try:
+            result["group"] = join_group(spec, 0)
+        except BaseException as err:  # handed to the waiting thread below
+            result["error"] = err
+
+    thread = threading.Thread(target=init, name="macspec-tp-join", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while thread.is_alive():
+        thread.join(0.2)
+        exited = peers.first_exited()
+        if exited and thread.is_alive():
+            raise BootstrapError(f"a peer failed while the group formed: {exited}")
+        if time.monotonic() > deadline:
+            raise BootstrapError(f"the group did not form within {JOIN_TIMEOUT_S:.0f} s "
+                                 f"(hosts {spec.get('hostfile') or spec.get('coordinator')})")
+    if "error" in result:
+        raise result["error"]
+    return result["group"]

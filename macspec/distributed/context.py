@@ -1,0 +1,61 @@
+"""Rank 0's tensor-parallel session: group, peers, plan channel; opened before models load."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..config import Profile
+from .bootstrap import Peers, group_spec, join_with_peers
+from .channel import PlanChannel
+from .handshake import handshake, identity
+from .plan import encode_op
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TPContext:
+    group: object
+    peers: Peers
+    channel: PlanChannel
+    step_timeout_s: float
+    closed: bool = False
+
+    @classmethod
+    def open(cls, profile: Profile) -> "TPContext":
+        spec = group_spec(profile.parallel)
+        peers = Peers.launch(profile, spec)
+        try:
+            group = join_with_peers(spec, peers)
+            handshake(group, identity(profile))
+        except BaseException:
+            peers.shutdown(timeout=5)
+            raise
+        logger.info("tensor-parallel group of %d ready (%s)", group.size(), spec["backend"])
+        return cls(group, peers, PlanChannel(group), profile.parallel.step_timeout_s)
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+    def barrier(self) -> None:
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=self.group, stream=mx.cpu))
+
+    def send_op(self, name: str, *args) -> None:
+        """A plan of one op, outside the engine (start-up checks, shutdown)."""
+        self.channel.send([encode_op(name, args)])
+
+    def close(self, clean: bool = True) -> None:
+        """Tell the workers to leave (when the channel still works), then reap them."""
+        if self.closed:
+            return
+        self.closed = True
+        if clean:
+            try:
+                self.send_op("shutdown")
+            except Exception as err:  # a dead peer: reaping below still ends the others
+                logger.warning("could not send shutdown to the peers: %s", err)
+        self.peers.shutdown(timeout=10 if clean else 2)

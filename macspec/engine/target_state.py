@@ -1,0 +1,119 @@
+"""Everything the target model keeps between forwards, behind a small set of int-only ops.
+
+Under tensor parallelism every rank holds one of these for its shard and applies the same ops
+in the same order (rank 0 decides, workers replay its plan), so the ranks cannot diverge.
+Ops take ints and one optional trailing list of ints: exactly what a StepPlan can carry.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+
+from ..models.target import TargetView
+from .batch_cache import BatchKV
+from .cache import make_trimmable_cache
+
+NO_ENTRY = -1  # "no prefix-cache entry" in ops
+
+
+class TargetState:
+    def __init__(self, view: TargetView):
+        self.view = view
+        self.kv = BatchKV(len(view.model.layers))
+        self.slots: dict[int, list] = {}  # request id -> single-row cache while prefilling
+        self.prefixes: dict[int, list[tuple[mx.array, ...]]] = {}  # prefix-cache entry -> KV
+
+    # ---- prefill slots ---------------------------------------------------------------
+    def open_slot(self, slot: int, entry: int, length: int) -> None:
+        """A fresh cache for request `slot`, seeded with `length` positions of a prefix entry."""
+        cache = make_trimmable_cache(self.view.model)
+        if entry != NO_ENTRY:
+            for layer_cache, arrays in zip(cache, self.prefixes[entry]):
+                layer_cache.update_and_fetch(*(a[:, :, :length] for a in arrays))
+        self.slots[slot] = cache
+
+    def prefill(self, slot: int, tokens: list[int]) -> tuple[mx.array, mx.array]:
+        """-> (hidden [n, D], logits of the last position [1, V]); every rank evaluates the same
+        arrays so the model's collectives run in the same order everywhere."""
+        cache = self.slots[slot]
+        hidden = self.view.hidden(mx.array(tokens)[None], cache)
+        logits = self.view.logits(hidden[0, -1:])
+        mx.eval(hidden, logits, [c.state for c in cache])
+        return hidden[0], logits
+
+    def slot_to_row(self, slot: int, length: int) -> None:
+        self.kv.add_row(self.slots.pop(slot), length)
+
+    def close_slot(self, slot: int, entry: int, length: int) -> None:
+        cache = self.slots.pop(slot)
+        if entry != NO_ENTRY:
+            self.prefixes[entry] = [tuple(mx.contiguous(a[:, :, :length]) for a in c.state[:2])
+                                    for c in cache]
+            mx.eval(self.prefixes[entry])
+
+    def slot_nbytes(self, slot: int, length: int) -> int:
+        return sum(a[:, :, :length].nbytes for c in self.slots[slot] for a in c.state[:2])
+
+    # ---- batched decode --------------------------------------------------------------
+    def decode(self, rows: int, window: int, tokens: list[int]) -> tuple[mx.array, mx.array]:
+        """One forward of `window` positions for every row -> (logits, hidden), both evaluated."""
+        self.kv.begin(window)
+        batch = mx.array(tokens, dtype=mx.int32).reshape(rows, window)
+        logits, hidden = self.view.forward(batch, self.kv.layers)
+        mx.eval(logits, hidden)
+        return logits, hidden
+
+    def advance(self, counts: list[int]) -> None:
+        """Row i keeps counts[i] of the positions the last decode wrote (the rest roll back)."""
+        for index, count in enumerate(counts):
+            self.kv.advance(index, count)
+
+    def remove_row(self, index: int, entry: int, length: int) -> None:
+        if entry != NO_ENTRY:
+            self.prefixes[entry] = self.kv.export_row(index, length)
+        self.kv.remove_row(index)
+
+    def row_nbytes(self, length: int) -> int:
+        return self.kv.row_nbytes(length)
+
+    def drop_prefixes(self, entries: list[int]) -> None:
+        for entry in entries:
+            self.prefixes.pop(entry, None)
+
+    def reset(self) -> None:
+        """Forget running rows and slots after a failed step (prefix entries stay valid)."""
+        self.kv = BatchKV(len(self.view.model.layers))
+        self.slots.clear()
+
+    # ---- housekeeping ----------------------------------------------------------------
+    def time_forward(self, rows: int, window: int, repeats: int) -> list[float]:
+        """Seconds per forward at (rows, window) on scratch rows of a 16-token prompt."""
+        kv = BatchKV(len(self.view.model.layers))
+        prompt = mx.array(list(range(1, 17)))[None]
+        for _ in range(rows):
+            cache = make_trimmable_cache(self.view.model)
+            mx.eval(self.view.hidden(prompt, cache), [c.state for c in cache])
+            kv.add_row(cache, prompt.shape[1])
+        times = []
+        for _ in range(repeats):
+            kv.begin(window)
+            t0 = time.perf_counter()
+            logits, hidden = self.view.forward(mx.array([[1] * window] * rows), kv.layers)
+            mx.eval(logits, hidden)
+            times.append(time.perf_counter() - t0)
+        return times
+
+    def idle(self, heartbeat_s: float) -> None:
+        """One process has no peers to keep alive (MirroredTarget sends heartbeats)."""
+
+    def heartbeat(self) -> None:
+        """Nothing to do: the plan that carried it proved both sides alive."""
+
+    def shutdown(self) -> None:
+        """Workers leave their loop after this op; rank 0 stops sending."""
+
+    def check_hidden(self) -> bool:
+        """Does hidden -> logits reproduce the full forward? (MTP needs it; runs on all ranks.)"""
+        return self.view.matches_full_forward(mx.array([[0, 1, 2]]))
