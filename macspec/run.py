@@ -70,13 +70,52 @@ def stats_line(stats: dict, blas: str) -> str:
 
 def run_once(profile: Profile, prompt: str, opts: RunOptions) -> dict:
     apply_flags(profile, opts)
+    params = SamplingParams.from_config(profile.sampling)
+    if profile.parallel.tensor_parallel > 1:  # rank 0 of a group: the engine drives the peers
+        from .engine.launch import start_engine
+
+        engine = start_engine(profile, max_batch=1)
+        try:
+            return _stream(profile, engine.runtime, prompt, opts,
+                           lambda tokens, holder: engine_steps(engine, tokens, params, holder))
+        finally:
+            engine.stop()
     runtime = Runtime.load(profile)
+    generator = Generator(runtime, params, profile.sampling.max_tokens)
+
+    def steps(tokens, holder):
+        yield from generator.generate(tokens)
+        holder.update(generator.stats.as_dict())
+
+    return _stream(profile, runtime, prompt, opts, steps)
+
+
+def engine_steps(engine, tokens: list[int], params: SamplingParams, holder: dict):
+    """Token lists from the serving engine for one request; its stats land in `holder`."""
+    import queue
+
+    from .engine.request import Failed, Finished, GenerationRequest, Tokens
+
+    events: queue.Queue = queue.Queue()
+    engine.submit(GenerationRequest(tokens, params, engine.runtime.profile.sampling.max_tokens,
+                                    events.put))
+    while True:
+        event = events.get()
+        if isinstance(event, Tokens):
+            yield event.ids
+        elif isinstance(event, Finished):
+            holder.update(event.stats)
+            return
+        elif isinstance(event, Failed):
+            raise event.error
+
+
+def _stream(profile: Profile, runtime: Runtime, prompt: str, opts: RunOptions, steps) -> dict:
     tokens = encode_prompt(runtime.tokenizer, prompt, profile.model.chat)
-    generator = Generator(runtime, SamplingParams.from_config(profile.sampling),
-                          profile.sampling.max_tokens)
     detok = runtime.tokenizer.detokenizer
     detok.reset()
-    for step in generator.generate(tokens):
+    stats: dict = {}
+    for step in steps(tokens, stats):
         for token in step:
             detok.add_token(token)
         segment = detok.last_segment  # reading it consumes it
@@ -84,7 +123,6 @@ def run_once(profile: Profile, prompt: str, opts: RunOptions) -> dict:
             sys.stdout.write(segment)
             sys.stdout.flush()
     detok.finalize()
-    stats = generator.stats.as_dict()
     result = {"profile": profile.name, "text": detok.text, "blas": blas_info().as_dict(), **stats}
     if runtime.method != profile.speculative.method:  # the draft was refused, fallback taken
         result["requested_method"] = profile.speculative.method

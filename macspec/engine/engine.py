@@ -157,8 +157,7 @@ class Engine:
                 self.degraded_reason = None
             except Exception as exc:  # an engine bug must fail requests, never hang them
                 if self.tp is not None:  # the ranks may no longer be in lock-step
-                    logger.error("tensor-parallel step failed: %s", exc)
-                    self.fatal(str(exc))
+                    self.fatal(self._explain_tp_failure(exc))
                     break
                 logger.exception("engine step failed")
                 self.degraded_reason = f"last step failed: {exc!r}"
@@ -167,6 +166,16 @@ class Engine:
         self._fail_everything(EngineUnavailableError(
             f"tensor parallelism failed: {self.fatal_reason}" if self.fatal_reason
             else "the server is shutting down"))
+
+    def _explain_tp_failure(self, exc: Exception) -> str:
+        """A lost link usually means a dead peer: name it (and its exit code) when one exits."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            exited = self.tp.peers.first_exited()
+            if exited:
+                return f"{exited} ({exc})"
+            time.sleep(0.05)
+        return str(exc)
 
     def _drain_inbox(self) -> None:
         while True:
