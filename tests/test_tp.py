@@ -28,8 +28,10 @@ METHODS_K = [("none", 1)] + [(m, k) for m in ("draft", "mtp", "ngram") for k in 
 @pytest.fixture(scope="module")
 def tp_server(tmp_path_factory):
     server = TPServer("tiny-tp2", tmp_path_factory.mktemp("tp"))
+    workers = [psutil.Process(pid) for pid in server.status()["tensor_parallel"]["worker_pids"]]
     yield server
-    assert server.stop() == 0, server.log.read_text()[-2000:]
+    assert server.stop() == 0, server.log.read_text()[-2000:]  # SIGTERM, like `macspec stop`
+    assert not psutil.wait_procs(workers, timeout=15)[1], "workers outlived rank 0"
     assert "Traceback" not in server.log.read_text()
 
 
