@@ -163,6 +163,20 @@ def stop():
     click.echo(f"stopped pid {record['pid']}")
 
 
+@main.command()
+@profile_option
+@click.option("--json", "as_json", is_flag=True, help="One JSON object for scripts.")
+@click.option("--peers", is_flag=True, help="Also check every host of the profile over ssh.")
+def doctor(profile, as_json, peers):
+    """Is this machine ready for the profile? Exit 0 all good, 1 warnings, 2 failures."""
+    from .monitor.doctor import Doctor, as_json as doctor_json, exit_code, render
+
+    prof = load_profile(profile)
+    checks = Doctor(prof).run(peers=peers)
+    click.echo(doctor_json(prof, checks) if as_json else render(checks))
+    sys.exit(exit_code(checks))
+
+
 @main.command("tp-worker", hidden=True)
 @profile_option
 @click.option("--rank", type=click.IntRange(1), required=True)

@@ -122,6 +122,9 @@ class KVConfig:
     kv_group_size: int = spec(64, _choice((32, 64, 128)), "KV quantization group size")
     prefix_cache_mb: int = spec(512, _range(0, integer=True),
                                 "serve: KV of finished requests kept for shared prompt prefixes")
+    kv_budget_mb: int | None = spec(None, _optional(_range(1, integer=True)),
+                                    "serve: cap on KV memory for running requests (default: what "
+                                    "the memory limit leaves after the weights)")
 
 
 @dataclass

@@ -63,7 +63,7 @@ def test_remote_ranks_start_over_ssh_in_batch_mode():
     par.ssh_user = "ops"
     argv = ssh_command(par, "studio-2.local", "kimi-tp2", 1, '{"backend": "jaccl"}')
     assert argv[:3] == ["ssh", "-o", "BatchMode=yes"] and "ops@studio-2.local" in argv
-    assert "python3 -m macspec tp-worker --profile kimi-tp2 --rank 1" in argv[-1]
+    assert "/opt/macspec/.venv/bin/python -m macspec tp-worker --profile kimi-tp2 --rank 1" in argv[-1]
     assert "MACSPEC_TP_GROUP='{\"backend\": \"jaccl\"}'" in argv[-1]
 
 

@@ -16,6 +16,7 @@ from collections import deque
 import mlx.core as mx
 
 from ..errors import EngineUnavailableError, MacspecError, QueueFullError, RequestError
+from ..monitor.memory import MB, KVBudget, device_limits, kv_bytes_per_token, usage
 from ..spec.base import Proposal
 from ..spec.planner import BatchPlanner, RowController
 from ..spec.stats import SpecStats
@@ -53,6 +54,9 @@ class Engine:
         self.target = self._make_target(TargetState(self.view))
         self.prefix_cache = PrefixCache(profile.kv.prefix_cache_mb * 2**20)
         self.planner = BatchPlanner()
+        self.memory = KVBudget.for_engine(self._kv_per_token("none"), profile.kv.kv_budget_mb)
+        logger.info("KV budget %d MB (%s), %d bytes per token", self.memory.budget // MB,
+                    self.memory.source, self.memory.bytes_per_token)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()
         self.decoding: list[Sequence] = []  # index i <-> row i of the target's batched KV
@@ -69,6 +73,17 @@ class Engine:
         self.spec_totals: dict[str, SpecStats] = {}
         self.batch_histogram: dict[int, int] = {}
         self._last_log = time.perf_counter()
+
+    def _kv_per_token(self, method: str) -> int:
+        """KV bytes per token on this rank: the target's shard, plus the proposer's own cache."""
+        runtime = self.runtime
+        tp = self.tp.size if self.tp else 1
+        per_token = kv_bytes_per_token(runtime.target.config, _dtype_bytes(runtime.target.model), tp=tp)
+        if method == "draft" and runtime.draft is not None:
+            per_token += kv_bytes_per_token(runtime.draft.config, _dtype_bytes(runtime.draft.model))
+        elif method == "mtp":
+            per_token += kv_bytes_per_token(runtime.target.config, _dtype_bytes(runtime.target.model), layers=1)
+        return per_token
 
     def _make_target(self, state: TargetState):
         if self.tp is None:
@@ -214,30 +229,56 @@ class Engine:
         if req.params.seed is not None and not req.params.is_greedy:
             # The random stream is consumed per draft, so a replay needs the same k every step.
             adaptive = False
+        need = (len(req.prompt) + req.max_tokens + k_max + 1) * self._kv_per_token(method)
+        if need > self.memory.budget:
+            raise RequestError(
+                f"this request needs {need / MB:.1f} MB of KV at full length (prompt {len(req.prompt)} "
+                f"+ max_tokens {req.max_tokens} tokens) but the server's KV budget is "
+                f"{self.memory.budget / MB:.1f} MB ({self.memory.source}); lower max_tokens", "max_tokens")
         row = RowController(k_max, adaptive, method,
                             spec.probe_min_steps, spec.probe_max_steps)
         stats = GenerationStats(method if proposer else "none", k_max)
         eos = set(req.stop_token_ids)
         if not req.ignore_eos:
             eos |= set(self.runtime.tokenizer.eos_token_ids)
-        return Sequence(req, method, proposer, row, stats, Rng(req.params.seed), eos, list(req.prompt))
+        return Sequence(req, method, proposer, row, stats, Rng(req.params.seed), eos, list(req.prompt),
+                        kv_reserved=need)
 
     def _admit(self) -> None:
         while self.waiting and len(self.prefilling) + len(self.decoding) < self.max_batch:
+            if not self._memory_for(self.waiting[0]):
+                return
             with self._lock:
                 seq = self.waiting.popleft()
+            self.memory.reserved += seq.kv_reserved
             reused, entry = self.prefix_cache.lookup(seq.prompt)
             self.target.open_slot(seq.request.id, NO_ENTRY if entry is None else entry, reused)
             seq.prefill_done = seq.reused_prefix = reused
             self.prefilling.append(seq)
 
+    def _memory_for(self, seq: Sequence) -> bool:
+        """Room for `seq`'s KV? Under pressure, finished requests' prefixes go first, then MLX's
+        buffer cache; otherwise it waits (in order) for running requests to finish."""
+        while not self.memory.fits(seq.kv_reserved, self.prefix_cache.nbytes):
+            entry = self.prefix_cache.evict_oldest()
+            if entry is None:
+                self.memory.relieve_pressure()
+                if not seq.waited_for_memory:
+                    seq.waited_for_memory = True
+                    self.memory.waits += 1
+                return False
+            self.target.drop_prefixes([entry])
+        return True
+
     def _cancel(self, request_id: int) -> None:
-        for queue in (self.waiting, self.prefilling):
-            for seq in [s for s in queue if s.request.id == request_id]:
-                queue.remove(seq)
-                if queue is self.prefilling:
-                    self.target.close_slot(request_id, NO_ENTRY, 0)
-                self._close(seq, "cancelled")
+        for seq in [s for s in self.waiting if s.request.id == request_id]:
+            self.waiting.remove(seq)
+            seq.kv_reserved = 0  # never admitted: it holds no budget
+            self._close(seq, "cancelled")
+        for seq in [s for s in self.prefilling if s.request.id == request_id]:
+            self.prefilling.remove(seq)
+            self.target.close_slot(request_id, NO_ENTRY, 0)
+            self._close(seq, "cancelled")
         for index in [i for i, s in enumerate(self.decoding) if s.request.id == request_id]:
             self._remove_row(index, "cancelled")
 
@@ -357,6 +398,8 @@ class Engine:
 
     def _close(self, seq: Sequence, reason: str | None = None) -> None:
         seq.finish(reason)
+        self.memory.reserved -= seq.kv_reserved
+        seq.kv_reserved = 0
         key = "cancelled" if seq.stats.finish_reason == "cancelled" else "completed"
         self.totals[key] += 1
         seq.proposer = None
@@ -368,6 +411,7 @@ class Engine:
             self.totals["failed"] += 1
         self.prefilling.clear()
         self.decoding.clear()
+        self.memory.reserved = 0
         self.target.reset()
 
     def _fail_everything(self, error: MacspecError) -> None:
@@ -402,6 +446,11 @@ class Engine:
                  for m, s in self.spec_totals.items()]
         logger.info("%d running, %d waiting, %d tokens generated; %s", len(self.decoding),
                     len(self.waiting), self.totals["generated_tokens"], "; ".join(parts) or "-")
+        mem = usage()
+        logger.info("memory: KV reserved %d/%d MB, prefix cache %d MB, MLX active %d MB, cache %d MB, "
+                    "%d admissions waited", self.memory.reserved // MB, self.memory.budget // MB,
+                    self.prefix_cache.nbytes // MB, mem["mlx_active_bytes"] // MB,
+                    mem["mlx_cache_bytes"] // MB, self.memory.waits)
 
     def status(self) -> dict:
         rows = list(self.decoding)
@@ -423,7 +472,10 @@ class Engine:
             "cost_model": self.planner.as_dict(),
             "prefix_cache": self.prefix_cache.as_dict(),
             "kv_cache_bytes": self.target.kv.nbytes(),
-            "memory": memory_snapshot(),
+            "memory": {**usage(), "kv_budget_bytes": self.memory.budget,
+                       "kv_reserved_bytes": self.memory.reserved,
+                       "limit_bytes": device_limits()["limit_bytes"]},
+            "admission": self.memory.as_dict(),
             "tensor_parallel": self._tp_status(),
         }
 
@@ -435,12 +487,9 @@ class Engine:
                 "step_timeout_s": self.tp.step_timeout_s, "worker_pids": self.tp.peers.pids}
 
 
-def memory_snapshot() -> dict:
-    import psutil
-
-    return {"mlx_active_bytes": mx.get_active_memory(), "mlx_peak_bytes": mx.get_peak_memory(),
-            "mlx_cache_bytes": mx.get_cache_memory(),
-            "process_rss_bytes": psutil.Process().memory_info().rss}
+def _dtype_bytes(model) -> int:
+    """The compute dtype's size (the KV's): norms stay unquantized, unlike embeddings."""
+    return model.model.norm.weight.dtype.size
 
 
 def _plain_greedy(seq: Sequence) -> bool:

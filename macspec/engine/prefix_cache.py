@@ -54,6 +54,10 @@ class PrefixCache:
             dropped.append(self._drop(next(iter(self.entries))))
         return entry, dropped
 
+    def evict_oldest(self) -> int | None:
+        """Free the least recently used entry (memory pressure) -> its id."""
+        return self._drop(next(iter(self.entries))) if self.entries else None
+
     def _drop(self, key) -> int:
         entry, nbytes = self.entries.pop(key)
         self.nbytes -= nbytes

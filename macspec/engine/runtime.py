@@ -11,6 +11,7 @@ from ..models.compat import check_draft_compatible
 from ..models.loader import LoadedModel, load_model, load_mtp_head
 from ..models.mtp import MTPHead
 from ..models.target import TargetView
+from ..monitor.memory import apply_wired_limit
 from .target_state import TargetState
 from ..spec.base import Proposer
 from ..spec.draft import DraftProposer
@@ -70,6 +71,7 @@ class Runtime:
     def load(cls, profile: Profile, tp=None) -> "Runtime":
         """`tp` (a TPContext): load this rank's shard; proposers stay whole, on rank 0 only."""
         m = profile.model
+        apply_wired_limit(profile.hardware.wired_limit_mb)  # Metal only: before weights land
         target = load_model(m.path, m.dtype, m.revision, m.trust_remote_code,
                             group=tp.group if tp else None)
         if tp is not None:  # the workers run this check with us, inside their plan loop

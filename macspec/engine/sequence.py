@@ -29,6 +29,8 @@ class Sequence:
     hidden_chunks: list[mx.array] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     decode_started: float = 0.0
+    kv_reserved: int = 0  # bytes of KV budget held from admission to close
+    waited_for_memory: bool = False
     closed: bool = False  # Finished or Failed was emitted; later events are dropped
 
     @property

@@ -1,0 +1,1 @@
+"""Memory accounting and admission, and the `macspec doctor` checks."""
