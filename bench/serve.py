@@ -15,11 +15,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,24 +27,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def float32_copy(src: Path, dst: Path) -> Path:
-    import mlx.core as mx
-
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.suffix == ".safetensors":
-            weights = mx.load(str(f))
-            mx.save_safetensors(str(dst / f.name), {k: v.astype(mx.float32) for k, v in weights.items()})
-        else:
-            shutil.copy(f, dst / f.name)
-    return dst
+from macspec.benchmark.launch import LaunchedServer, float32_copy, free_port  # noqa: E402
 
 
 def prompts(count: int) -> list[str]:
@@ -106,34 +86,9 @@ async def scenario(url: str, concurrency: int, rounds: int, texts: list[str], ex
             "ttft_p95_ms": round(1e3 * ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))], 1) if ttfts else None}
 
 
-class Server:
-    def __init__(self, name: str, argv: list[str], port: int, log: Path):
-        self.name, self.port = name, port
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = open(log, "w")
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, MACSPEC_HOME=str(log.parent / "home")))
-
-    def wait(self, path: str, timeout: float = 300) -> None:
-        import urllib.request
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"{self.name} exited; see {self.log.name}")
-            try:
-                urllib.request.urlopen(self.url + path, timeout=2)
-                return
-            except OSError:
-                time.sleep(0.5)
-        raise SystemExit(f"{self.name} did not start")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+def Server(name: str, argv: list[str], port: int, log: Path) -> LaunchedServer:
+    """A server process with its own MACSPEC_HOME next to its log."""
+    return LaunchedServer(name, argv, port, log, {"MACSPEC_HOME": str(log.parent / "home")})
 
 
 def main() -> None:
@@ -184,7 +139,7 @@ def main() -> None:
             port = free_port()
             flag = ["--port", str(port)]
             server = Server(name, argv + flag, port, work / f"{name.replace(' ', '_')}.log")
-            server.wait(probe)
+            server.wait_ready(probe, timeout=300)
         table[name] = {}
         for c in levels:
             table[name][c] = asyncio.run(scenario(server.url, c, args.rounds, texts, extra,

@@ -77,7 +77,7 @@ def main() -> None:
                                   "--port", str(port), "--max-batch", str(max(levels))],
                         port, work / f"{profile}.log")
         try:
-            server.wait("/health")
+            server.wait_ready("/health", timeout=300)
             report[profile] = {c: measure(server, c, args, texts, target.tokenizer, model_collectives)
                                for c in levels}
         finally:

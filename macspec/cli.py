@@ -177,6 +177,51 @@ def doctor(profile, as_json, peers):
     sys.exit(exit_code(checks))
 
 
+@main.command()
+@click.option("--profile", "-p", shell_complete=complete_profiles,
+              help="Start `macspec serve` for this profile (default: tiny, unless --url).")
+@click.option("--url", help="Benchmark a running server instead (macspec or OpenAI-compatible).")
+@click.option("--api-key", envvar="MACSPEC_API_KEY", help="Bearer key for the server.")
+@click.option("--scenarios", default="single,sequential,concurrent", show_default=True,
+              help="Comma-separated: single, sequential, concurrent.")
+@click.option("--sequential", "sequential", type=click.IntRange(1), default=3, show_default=True,
+              help="Requests in the sequential scenario.")
+@click.option("--concurrent", "concurrent", type=click.IntRange(1), default=4, show_default=True,
+              help="Requests in flight together in the concurrent scenario.")
+@click.option("--max-tokens", type=click.IntRange(1), default=128, show_default=True)
+@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False),
+              help="JSON list, JSON lines with \"prompt\", or one prompt per line.")
+@click.option("--compare", is_flag=True, help="Run every scenario with speculation on and off.")
+@click.option("--peer", type=click.Choice(["mlx-lm"]), help="Also run mlx_lm.server on the same model.")
+@click.option("--out", type=click.Path(file_okay=False), default="bench-report", show_default=True)
+@click.option("--log-level", type=click.Choice(LOG_LEVELS), default="warning", show_default=True)
+def bench(profile, url, api_key, scenarios, sequential, concurrent, max_tokens, prompts_file, compare,
+          peer, out, log_level):
+    """Benchmark a profile or server: report.md, report.json and report.png in --out."""
+    from pathlib import Path
+
+    from .benchmark.bench import BenchOptions, run_bench
+
+    setup_logging(log_level)
+    names = tuple(n.strip() for n in scenarios.split(",") if n.strip())
+    unknown = set(names) - {"single", "sequential", "concurrent"}
+    if unknown or not names:
+        raise click.BadParameter(f"unknown scenario(s) {sorted(unknown)}; use single, sequential, "
+                                 "concurrent", param_hint="--scenarios")
+    report, paths = run_bench(BenchOptions(profile, url, Path(out), api_key, names, sequential, concurrent,
+                                           max_tokens, prompts_file, compare, peer))
+    for run in report["runs"]:
+        for scenario in run["scenarios"]:
+            m = scenario["summary"]
+            click.echo(f"{run['label']:>24} | {scenario['name']:<14} | {m['ok']}/{m['requests']} ok | "
+                       f"decode {m['decode_tok_s_mean']} tok/s | TTFT p50 {m['ttft_p50_ms']} ms")
+    click.echo("wrote " + ", ".join(str(p) for p in paths))
+    if report["totals"]["failed"] or report["errors"]:
+        click.echo(f"{report['totals']['failed']} request(s) failed; see the report's Errors section",
+                   err=True)
+        sys.exit(1)
+
+
 @main.command("tp-worker", hidden=True)
 @profile_option
 @click.option("--rank", type=click.IntRange(1), required=True)

@@ -3,7 +3,6 @@ through a real server with a small KV budget."""
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import requests

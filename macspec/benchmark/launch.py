@@ -1,0 +1,95 @@
+"""Servers the bench starts itself: `macspec serve` for a profile, `mlx_lm.server` as the peer."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from ..errors import MacspecError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LaunchedServer:
+    def __init__(self, name: str, argv: list[str], port: int, log: Path, env: dict | None = None):
+        self.name, self.port, self.log = name, port, log
+        self.url = f"http://127.0.0.1:{port}"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **(env or {})})
+
+    @classmethod
+    def macspec(cls, profile_file: str, work: Path, api_key: str | None = None) -> "LaunchedServer":
+        port = free_port()
+        argv = [sys.executable, "-m", "macspec", "serve", "--profile", profile_file,
+                "--port", str(port), "--log-level", "info"]
+        # Its own state dir, so the user's `macspec status` record is left alone.
+        env = {"MACSPEC_HOME": str(work / "home"), "MACSPEC_API_KEY": api_key or ""}
+        return cls("macspec serve", argv, port, work / "macspec-serve.log", env)
+
+    @classmethod
+    def mlx_lm(cls, model_dir: Path, work: Path, draft_dir: Path | None = None) -> "LaunchedServer":
+        port = free_port()
+        args = ["--model", str(model_dir), "--port", str(port)]
+        if draft_dir is not None:
+            args += ["--draft-model", str(draft_dir)]
+        # Through `import macspec`, so mlx_lm.server gets the same BLAS as macspec on Linux.
+        code = ("import sys, runpy, macspec; sys.argv = ['mlx_lm.server'] + sys.argv[1:]; "
+                "runpy.run_module('mlx_lm.server', run_name='__main__')")
+        return cls("mlx_lm.server", [sys.executable, "-c", code, *args], port, work / "mlx-lm-server.log")
+
+    def wait_ready(self, path: str = "/health", timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise MacspecError(f"{self.name} exited with code {self.proc.returncode}: "
+                                   f"{self.log_excerpt(8)}")
+            try:
+                urllib.request.urlopen(self.url + path, timeout=2)
+                return
+            except OSError:
+                time.sleep(0.3)
+        raise MacspecError(f"{self.name} did not answer {path} within {timeout:.0f} s")
+
+    def log_excerpt(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def float32_copy(src: Path, dst: Path) -> Path:
+    """A float32 copy of a model dir: half-precision matmuls are slow on CPU, and a peer server
+    must run the same arithmetic as macspec (which computes in float32 there)."""
+    import mlx.core as mx
+
+    if dst.exists():
+        return dst
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            weights = mx.load(str(f))
+            mx.save_safetensors(str(dst / f.name), {k: v.astype(mx.float32) for k, v in weights.items()})
+        elif f.is_file():
+            shutil.copy(f, dst / f.name)
+    return dst
