@@ -150,6 +150,13 @@ class Peers:
                 return f"rank {rank} on {host} exited with code {code}{log_tail(log)}"
         return None
 
+    def first_exited_after_stop(self) -> str | None:
+        """After shutdown: the first peer that had failed on its own (non-zero exit, log tail)."""
+        for rank, host, proc, log in self.procs:
+            if proc.returncode not in (None, 0, -15, -9):
+                return f"rank {rank} on {host} exited with code {proc.returncode}{log_tail(log)}"
+        return None
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Wait for workers told to stop; terminate, then kill, the ones that do not."""
         self.stopping = True

@@ -10,7 +10,7 @@ import mlx.core as mx
 from ..config import Profile
 from .bootstrap import Peers, group_spec, join_with_peers
 from .channel import PlanChannel
-from .handshake import handshake, identity
+from .handshake import PeerLeftError, handshake, identity
 from .plan import encode_op
 
 logger = logging.getLogger(__name__)
@@ -31,6 +31,10 @@ class TPContext:
         try:
             group = join_with_peers(spec, peers)
             handshake(group, identity(profile))
+        except PeerLeftError as err:
+            peers.shutdown(timeout=5)
+            exited = peers.first_exited_after_stop()
+            raise PeerLeftError(f"{err}{'; ' + exited if exited else ''}") from None
         except BaseException:
             peers.shutdown(timeout=5)
             raise

@@ -24,6 +24,10 @@ class HandshakeError(MacspecError):
     """The ranks differ in software, profile or model files."""
 
 
+class PeerLeftError(HandshakeError):
+    """A peer exited before the handshake completed."""
+
+
 def profile_hash(profile: Profile) -> str:
     resolved = profile.resolved()
     shared = {table: {k: v for k, (v, _) in resolved[table].items() if (table, k) not in RANK0_ONLY_KEYS}
@@ -49,13 +53,14 @@ def identity(profile: Profile) -> dict[str, str]:
     import mlx_lm
 
     from .. import __version__
-    from ..models.loader import resolve_path
 
-    m = profile.model
+    from ..monitor.doctor import locate_model
+
+    path = locate_model(profile.model.path)  # never downloads: a 600 GB fetch is not a handshake
     return {"macspec version": __version__,
             "MLX version": f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}",
             "profile": profile_hash(profile),
-            "model files": model_hash(resolve_path(m.path, m.revision))}
+            "model files": model_hash(path) if path else "not on this host"}
 
 
 def _encode(ident: dict[str, str]) -> np.ndarray:
@@ -73,8 +78,11 @@ def _decode(row: list[int]) -> dict[str, str]:
 
 def handshake(group, ident: dict[str, str]) -> list[dict[str, str]]:
     """All-gather every rank's identity; raise on every rank if any differs from rank 0's."""
-    gathered = mx.distributed.all_gather(mx.array(_encode(ident))[None], group=group, stream=mx.cpu)
-    rows = [_decode(row) for row in np.array(gathered).tolist()]
+    try:
+        gathered = mx.distributed.all_gather(mx.array(_encode(ident))[None], group=group, stream=mx.cpu)
+        rows = [_decode(row) for row in np.array(gathered).tolist()]
+    except RuntimeError as err:  # a peer left before answering (its log says why)
+        raise PeerLeftError(f"a tensor-parallel peer left during the handshake: {err}") from None
     problems = [f"rank {rank} has {name} {theirs[name]!r}, rank 0 has {rows[0][name]!r}"
                 for rank, theirs in enumerate(rows[1:], start=1)
                 for name in FIELDS if theirs[name] != rows[0][name]]

@@ -30,8 +30,8 @@ def worker_main(profile_ref: str, rank: int) -> None:
         raise BootstrapError(f"tp-worker is started by rank 0 (`macspec serve`/`run` with a "
                              f"tensor_parallel profile); {GROUP_ENV} is not set")
     spec = json.loads(os.environ[GROUP_ENV])
+    profile = load_profile(profile_ref)  # before joining: a bad profile fails rank 0's start fast
     group = join_group(spec, rank)
-    profile = load_profile(profile_ref)
     handshake(group, identity(profile))
     m = profile.model
     target = load_model(m.path, m.dtype, m.revision, m.trust_remote_code, group=group)
