@@ -133,6 +133,15 @@ def status(as_json):
     click.echo(f"model {body['model']} | method {body['method']} | up {body['uptime_s']:.0f} s")
     click.echo(f"requests: {engine['running']} running, {engine['waiting']} waiting, "
                f"{engine['totals']['completed']} completed, {engine['totals']['generated_tokens']} tokens")
+    tp = engine.get("tensor_parallel")
+    if tp:
+        click.echo(f"tensor parallel: {tp['ranks']} ranks, {tp['plans']} step plans, "
+                   f"worker pids {', '.join(map(str, tp['worker_pids']))}")
+    admission = engine.get("admission")
+    if admission:
+        click.echo(f"KV: {admission['kv_reserved_bytes'] / 2**20:.0f} of "
+                   f"{admission['kv_budget_bytes'] / 2**20:.0f} MB reserved, "
+                   f"{admission['admission_waits']} admissions waited for memory")
     for method, spec in engine["speculation"].items():
         click.echo(f"  {method}: acceptance {spec['acceptance_rate']:.2f}, "
                    f"{spec['tokens_per_forward']:.2f} tokens/forward, mean k {spec['mean_k']:.2f}")
