@@ -12,7 +12,6 @@ from ..models.loader import LoadedModel, load_model, load_mtp_head
 from ..models.mtp import MTPHead
 from ..models.target import TargetView
 from ..monitor.memory import apply_wired_limit
-from .target_state import TargetState
 from ..spec.base import Proposer
 from ..spec.draft import DraftProposer
 from ..spec.mtp import MTPProposer
@@ -76,7 +75,7 @@ class Runtime:
                             group=tp.group if tp else None)
         if tp is not None:  # the workers run this check with us, inside their plan loop
             tp.send_op("check_hidden")
-            target.hidden_is_final = TargetState(TargetView(target.model)).check_hidden()
+            target.hidden_is_final = TargetView(target.model).hidden_is_final()
         method = profile.speculative.method
         runtime = cls(profile, target, method)
         if method == "draft":

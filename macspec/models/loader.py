@@ -166,7 +166,7 @@ def load_mtp_head(target: LoadedModel) -> MTPHead:
             f"{path}: the config has no MTP layer (num_nextn_predict_layers is 0 or missing); "
             "use --method draft or ngram")
     if target.hidden_is_final is None:  # under TP every rank checked it together at start
-        target.hidden_is_final = TargetView(target.model).matches_full_forward(mx.array([[0, 1, 2]]))
+        target.hidden_is_final = TargetView(target.model).hidden_is_final()
     if not target.hidden_is_final:
         raise UnsupportedModelError(f"{path}: this architecture transforms the hidden state "
                                     "after the final norm; MTP needs it exactly")

@@ -32,6 +32,10 @@ class TargetView:
         h = self.hidden(tokens, cache)
         return self.logits(h), h
 
+    def hidden_is_final(self) -> bool:
+        """Does hidden -> logits reproduce the full forward? MTP needs the exact hidden state."""
+        return self.matches_full_forward(mx.array([[0, 1, 2]]))
+
     def matches_full_forward(self, tokens: mx.array) -> bool:
         """True when hidden->logits reproduces model(tokens) (no soft-capping etc. in between)."""
         direct = self.model(tokens)
