@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from pathlib import Path
 
 import mlx.core as mx
@@ -37,15 +36,16 @@ def profile_hash(profile: Profile) -> str:
 
 def model_hash(path: Path) -> str:
     """config.json plus the weight index (or each safetensors header: names, shapes, dtypes)."""
+    from ..models.loader import safetensors_header
+
     digest = hashlib.sha256((path / "config.json").read_bytes())
     index = path / "model.safetensors.index.json"
     if index.is_file():
         digest.update(index.read_bytes())
     else:
         for file in sorted(path.glob("*.safetensors")):
-            with open(file, "rb") as f:
-                (length,) = struct.unpack("<Q", f.read(8))
-                digest.update(file.name.encode() + f.read(min(length, 2**24)))
+            header = json.dumps(safetensors_header(file), sort_keys=True)
+            digest.update(file.name.encode() + header.encode())
     return digest.hexdigest()[:16]
 
 
@@ -54,9 +54,9 @@ def identity(profile: Profile) -> dict[str, str]:
 
     from .. import __version__
 
-    from ..monitor.doctor import locate_model
+    from ..models.loader import find_local_model
 
-    path = locate_model(profile.model.path)  # never downloads: a 600 GB fetch is not a handshake
+    path = find_local_model(profile.model.path)  # never downloads: a 600 GB fetch is not a handshake
     return {"macspec version": __version__,
             "MLX version": f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}",
             "profile": profile_hash(profile),

@@ -6,6 +6,7 @@ import glob
 import json
 import logging
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,28 @@ def resolve_path(spec: str, revision: str | None = None) -> Path:
     if spec.count("/") != 1 or spec.startswith((".", "/", "~")):
         raise ModelLoadError(f"model {spec!r}: no such directory, and not a Hugging Face id (owner/name)")
     return _download(spec, revision)
+
+
+def find_local_model(spec: str) -> Path | None:
+    """The model's directory if it is on this machine already; never downloads."""
+    if spec.startswith(EMBEDDED_PREFIX) or Path(spec).expanduser().exists():
+        try:
+            return resolve_path(spec)
+        except ModelLoadError:
+            return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(spec, local_files_only=True))
+    except Exception:  # huggingface_hub raises many types (not cached, bad id)
+        return None
+
+
+def safetensors_header(path: Path) -> dict:
+    """A safetensors file's JSON header (names, dtypes, shapes, offsets): no tensor is read."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length))
 
 
 def _download(repo_id: str, revision: str | None) -> Path:

@@ -147,7 +147,9 @@ class Doctor:
         self._mtp_check()
 
     def _model_check(self, role: str, ref: str) -> Path | None:
-        path = locate_model(ref)
+        from ..models.loader import find_local_model
+
+        path = find_local_model(ref)
         if path is None:
             self.add(f"{role} model", FAIL, f"{ref} is not on this machine",
                      f"huggingface-cli download {ref}" if "/" in ref and not ref.startswith(("/", "."))
@@ -425,25 +427,8 @@ class Doctor:
         return OK, f"{host}: reachable, macspec {facts['macspec']}, mlx {facts['mlx']}", None
 
 
-def locate_model(ref: str) -> Path | None:
-    """The model's directory if it is on this machine; never downloads."""
-    from ..models.loader import EMBEDDED_PREFIX, resolve_path
-
-    if ref.startswith(EMBEDDED_PREFIX) or Path(ref).expanduser().exists():
-        try:
-            return resolve_path(ref)
-        except Exception:
-            return None
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(ref, local_files_only=True))
-    except Exception:
-        return None
-
-
 def weight_names(model_dir: Path) -> list[str]:
-    from .memory import safetensors_header
+    from ..models.loader import safetensors_header
 
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():

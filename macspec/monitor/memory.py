@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import mlx.core as mx
 import psutil
 
 from ..errors import MacspecError
+from ..models.loader import safetensors_header
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +58,6 @@ class WeightSizes:
     @property
     def total(self) -> int:
         return self.layers + self.other
-
-
-def safetensors_header(path: Path) -> dict:
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(length))
 
 
 def weight_sizes(model_dir: Path) -> WeightSizes:
