@@ -16,7 +16,7 @@ from collections import deque
 import mlx.core as mx
 
 from ..errors import EngineUnavailableError, MacspecError, QueueFullError, RequestError
-from ..monitor.memory import MB, KVBudget, device_limits, kv_bytes_per_token, usage
+from ..monitor.memory import MB, KVBudget, kv_bytes_per_token, usage
 from ..spec.base import Proposal
 from ..spec.planner import BatchPlanner, RowController
 from ..spec.stats import SpecStats
@@ -474,7 +474,7 @@ class Engine:
             "kv_cache_bytes": self.target.kv.nbytes(),
             "memory": {**usage(), "kv_budget_bytes": self.memory.budget,
                        "kv_reserved_bytes": self.memory.reserved,
-                       "limit_bytes": device_limits()["limit_bytes"]},
+                       "limit_bytes": self.memory.limit},
             "admission": self.memory.as_dict(),
             "tensor_parallel": self._tp_status(),
         }

@@ -135,24 +135,25 @@ class KVBudget:
     """Admission control: a request is admitted when its KV at full length (prompt + max_tokens
     + drafts) fits beside what running requests and the prefix cache hold."""
 
-    def __init__(self, bytes_per_token: int, budget_bytes: int, source: str):
+    def __init__(self, bytes_per_token: int, budget_bytes: int, source: str, limit_bytes: int = 0):
         self.bytes_per_token = max(1, bytes_per_token)
         self.budget = budget_bytes
         self.source = source
+        self.limit = limit_bytes  # the device's memory limit, read once at start
         self.reserved = 0
         self.waits = 0  # admissions deferred for memory
         self.trims = 0  # buffer-cache trims under pressure
 
     @classmethod
     def for_engine(cls, per_token: int, cap_mb: int | None) -> "KVBudget":
-        if cap_mb is not None:
-            return cls(per_token, cap_mb * MB, "kv.kv_budget_mb")
         limits = device_limits()
+        if cap_mb is not None:
+            return cls(per_token, cap_mb * MB, "kv.kv_budget_mb", limits["limit_bytes"])
         # Weights are loaded by now: what they took is already in active memory.
         free = int(limits["limit_bytes"] * (1 - HEADROOM)) - mx.get_active_memory()
         if limits["backend"] == "cpu":  # RAM is shared with everything else on the machine
             free = min(free, int(limits["system_available_bytes"] * (1 - HEADROOM)))
-        return cls(per_token, max(0, free), f"{limits['backend']} memory")
+        return cls(per_token, max(0, free), f"{limits['backend']} memory", limits["limit_bytes"])
 
     def need(self, tokens: int) -> int:
         return tokens * self.bytes_per_token
