@@ -58,6 +58,7 @@ class Doctor:
         self.environ = os.environ if environ is None else environ
         self.checks: list[Check] = []
         self.model_dirs: dict[str, Path | None] = {}
+        self.model_configs: dict[str, dict] = {}  # config.json of each model found
 
     @property
     def macos(self) -> bool:
@@ -165,6 +166,7 @@ class Doctor:
                      "upgrade mlx-lm (pip install -U mlx-lm) or choose a supported model")
             return None
         self.add(f"{role} model", OK, f"{ref} ({config.get('model_type')}, {path})")
+        self.model_configs[role] = config
         return path
 
     def _mtp_check(self) -> None:
@@ -172,7 +174,7 @@ class Doctor:
         uses_mtp = self.profile.speculative.method == "mtp"
         if target is None:
             return
-        config = json.loads((target / "config.json").read_text())
+        config = self.model_configs["target"]
         layer = config.get("num_hidden_layers")
         if not config.get("num_nextn_predict_layers"):
             if uses_mtp:
@@ -198,9 +200,10 @@ class Doctor:
         if target is None:
             self.add("fits in memory", WARN, "cannot size the model: it is not on this machine")
             return
-        config = json.loads((target / "config.json").read_text())
+        config = self.model_configs["target"]
         tp = self.profile.parallel.tensor_parallel
-        on_cpu = device_limits()["backend"] == "cpu"
+        limits = device_limits()
+        on_cpu = limits["backend"] == "cpu"
         sizes = weight_sizes(target)
         weights = sizes.per_rank(tp, float32=on_cpu)
         if self.profile.speculative.method == "mtp":
@@ -211,10 +214,10 @@ class Doctor:
         draft = self.model_dirs.get("draft")
         if draft is not None:
             weights += weight_sizes(draft).per_rank(1, float32=on_cpu)
-            per_token += kv_bytes_per_token(json.loads((draft / "config.json").read_text()), dtype_bytes)
+            per_token += kv_bytes_per_token(self.model_configs["draft"], dtype_bytes)
         one = weights + per_token * kv.max_context
         full = weights + per_token * kv.max_context * self.profile.server.max_batch
-        limit = self.memory_limit()
+        limit = self.memory_limit(limits)
         detail = (f"per rank: weights {weights / 2**30:.2f} GB + KV {per_token / 1024:.1f} KB/token "
                   f"({kv.max_context} tokens: {per_token * kv.max_context / 2**30:.2f} GB) vs limit "
                   f"{limit / 2**30:.1f} GB")
@@ -227,10 +230,7 @@ class Doctor:
         else:
             self.add("fits in memory", OK, detail)
 
-    def memory_limit(self) -> int:
-        from .memory import device_limits
-
-        limits = device_limits()
+    def memory_limit(self, limits: dict) -> int:
         wired = self.profile.hardware.wired_limit_mb
         if limits["backend"] == "metal" and wired:
             return min(wired * MB, limits["limit_bytes"])
