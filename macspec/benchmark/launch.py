@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from ..errors import MacspecError
+from ..server.daemon import tail
 
 
 def free_port() -> int:
@@ -63,10 +64,7 @@ class LaunchedServer:
         raise MacspecError(f"{self.name} did not answer {path} within {timeout:.0f} s")
 
     def log_excerpt(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return tail(self.log, lines)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

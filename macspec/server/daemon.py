@@ -116,7 +116,7 @@ def serve_detached(argv: list[str], api_key: str | None) -> dict:
             return record
         if child.poll() is not None:
             raise MacspecError(f"the server exited with code {child.returncode} while starting; "
-                               f"log {log}:\n{_tail(log)}")
+                               f"log {log}:\n{tail(log)}")
         time.sleep(0.2)
     child.terminate()
     raise MacspecError(f"the server did not start within {START_TIMEOUT_S:.0f} s; log {log}")
@@ -158,7 +158,7 @@ def stop_daemon() -> dict | None:
     return record
 
 
-def _tail(path: Path, lines: int = 20) -> str:
+def tail(path: Path, lines: int = 20) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
