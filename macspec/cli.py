@@ -30,9 +30,10 @@ profile_option = click.option("--profile", "-p", default=DEFAULT_PROFILE, show_d
                               help="Profile name or path to a .toml file.")
 
 
-def setup_logging(level: str) -> None:
+def setup_logging(level: str, tag: str = "") -> None:
+    """`tag` marks each line (tensor-parallel workers write "rank1")."""
     logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format=f"%(asctime)s %(levelname)s {tag + ' ' if tag else ''}%(name)s: %(message)s")
 
 
 class MacspecGroup(click.Group):
@@ -239,8 +240,7 @@ def tp_worker(profile, rank, log_level):
     """A tensor-parallel worker rank (started by rank 0, never by hand)."""
     from .distributed.worker import worker_main
 
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+    setup_logging(log_level, f"rank{rank}")
     worker_main(profile, rank)
 
 

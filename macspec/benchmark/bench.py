@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import logging
 import os
 import platform
 import sys
@@ -19,8 +18,6 @@ from . import report as reports
 from .launch import LaunchedServer, float32_copy
 from .prompts import load_prompts
 from .runner import Target, run_target, scenarios
-
-logger = logging.getLogger(__name__)
 
 SPEC_OFF = {"speculative": {"method": "none"}}
 

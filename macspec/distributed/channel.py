@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 
 import mlx.core as mx
 import numpy as np
@@ -100,6 +101,4 @@ class MirroredTarget:
             self.heartbeat()
 
     def _deadline(self, label: str):
-        from contextlib import nullcontext
-
         return self.watchdog.step(label) if self.watchdog else nullcontext()
