@@ -13,6 +13,7 @@ from .config import Profile
 from .engine.generator import Generator
 from .engine.runtime import Runtime
 from .engine.sampling import SamplingParams
+from .models.detokenizer import IncrementalDecoder
 
 # CLI flag -> profile key it overrides (CLI flag > profile > default).
 FLAG_KEYS = {
@@ -112,24 +113,22 @@ def engine_steps(engine, tokens: list[int], params: SamplingParams, holder: dict
 
 def _stream(profile: Profile, runtime: Runtime, prompt: str, opts: RunOptions, steps) -> dict:
     tokens = encode_prompt(runtime.tokenizer, prompt, profile.model.chat)
-    detok = runtime.tokenizer.detokenizer
-    detok.reset()
+    text = IncrementalDecoder(runtime.tokenizer)
     stats: dict = {}
     for step in steps(tokens, stats):
-        for token in step:
-            detok.add_token(token)
-        segment = detok.last_segment  # reading it consumes it
+        segment = text.add(step)
         if segment and not opts.as_json:
             sys.stdout.write(segment)
             sys.stdout.flush()
-    detok.finalize()
-    result = {"profile": profile.name, "text": detok.text, "blas": blas_info().as_dict(), **stats}
+    tail = text.flush()
+    result = {"profile": profile.name, "text": text.text, "token_ids": text.ids,
+              "blas": blas_info().as_dict(), **stats}
     if runtime.method != profile.speculative.method:  # the draft was refused, fallback taken
         result["requested_method"] = profile.speculative.method
     if opts.as_json:
         click.echo(json.dumps(result))
     else:
-        sys.stdout.write(detok.last_segment + "\n")
+        sys.stdout.write(tail + "\n")
         sys.stdout.flush()
         click.echo(stats_line(stats, blas_info().name), err=True)
     return result

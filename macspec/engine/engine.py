@@ -21,6 +21,8 @@ from ..spec.base import Proposal
 from ..spec.planner import BatchPlanner, RowController
 from ..spec.stats import SpecStats
 from ..spec.verify import accept_greedy_choices, verify_greedy, verify_sampling
+from . import faults
+from .faults import SpecFaults
 from .generator import GenerationStats
 from .prefix_cache import PrefixCache
 from .request import Accepted, Failed, GenerationRequest, emit_safely
@@ -52,6 +54,7 @@ class Engine:
         self.tp = tp  # a TPContext: every target op is mirrored to the workers
         self.watchdog = None
         self.target = self._make_target(TargetState(self.view))
+        self.vocab_size = int(self.view.inner.embed_tokens.weight.shape[0])
         self.prefix_cache = PrefixCache(profile.kv.prefix_cache_mb * 2**20)
         self.planner = BatchPlanner()
         self.memory = KVBudget.for_engine(self._kv_per_token("none"), profile.kv.kv_budget_mb)
@@ -71,6 +74,7 @@ class Engine:
         self.totals = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "rejected": 0,
                        "prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
         self.spec_totals: dict[str, SpecStats] = {}
+        self.spec_faults = SpecFaults()
         self.batch_histogram: dict[int, int] = {}
         self._last_log = time.perf_counter()
 
@@ -149,9 +153,11 @@ class Engine:
             self._inbox.append(("submit", request))
         self._wake.set()
 
-    def cancel(self, request_id: int) -> None:
+    def cancel(self, request_id: int, reason: str = "cancelled") -> None:
+        """End a request early: "cancelled" (the client left) or "stop" (a stop string matched,
+        which completes it)."""
         with self._lock:
-            self._inbox.append(("cancel", request_id))
+            self._inbox.append(("cancel", (request_id, reason)))
         self._wake.set()
 
     # ---- loop ------------------------------------------------------------------------
@@ -170,6 +176,12 @@ class Engine:
                 if self.decoding:
                     self._decode_step()
                 self.degraded_reason = None
+            except _PrefillFailed as failure:  # only the request being prefilled is concerned
+                if self.tp is not None:
+                    self.fatal(self._explain_tp_failure(failure.cause))
+                    break
+                logger.error("prefill of request %d failed", failure.seq.request.id, exc_info=failure.cause)
+                self._fail_prefill(failure.seq, failure.cause)
             except Exception as exc:  # an engine bug must fail requests, never hang them
                 if self.tp is not None:  # the ranks may no longer be in lock-step
                     self.fatal(self._explain_tp_failure(exc))
@@ -199,11 +211,14 @@ class Engine:
                     return
                 op, payload = self._inbox.popleft()
             if op == "cancel":
-                self._cancel(payload)
+                self._cancel(*payload)
                 continue
             try:
                 seq = self._make_sequence(payload)
-            except MacspecError as err:
+            except Exception as err:  # whatever goes wrong, this request gets its answer
+                if not isinstance(err, MacspecError):
+                    logger.exception("could not start request %d", payload.id)
+                    err = MacspecError(f"could not start the request: {err!r}")
                 self.totals["failed"] += 1
                 emit_safely(payload, Failed(err))
                 continue
@@ -270,20 +285,27 @@ class Engine:
             self.target.drop_prefixes([entry])
         return True
 
-    def _cancel(self, request_id: int) -> None:
+    def _cancel(self, request_id: int, reason: str = "cancelled") -> None:
         for seq in [s for s in self.waiting if s.request.id == request_id]:
             self.waiting.remove(seq)
             seq.kv_reserved = 0  # never admitted: it holds no budget
-            self._close(seq, "cancelled")
+            self._close(seq, reason)
         for seq in [s for s in self.prefilling if s.request.id == request_id]:
             self.prefilling.remove(seq)
             self.target.close_slot(request_id, NO_ENTRY, 0)
-            self._close(seq, "cancelled")
+            self._close(seq, reason)
         for index in [i for i, s in enumerate(self.decoding) if s.request.id == request_id]:
-            self._remove_row(index, "cancelled")
+            self._remove_row(index, reason)
 
     # ---- prefill ---------------------------------------------------------------------
     def _prefill_step(self, seq: Sequence) -> None:
+        try:
+            self._prefill_chunk(seq)
+        except Exception as exc:
+            raise _PrefillFailed(seq, exc) from exc
+
+    def _prefill_chunk(self, seq: Sequence) -> None:
+        faults.check("prefill")
         prompt, start = seq.prompt, seq.prefill_done
         chunk = prompt[start:start + self.prefill_chunk]
         hidden, logits = self.target.prefill(seq.request.id, chunk)
@@ -308,7 +330,8 @@ class Engine:
             return
         if seq.proposer is not None:
             hidden_rows = mx.concatenate(seq.hidden_chunks) if seq.hidden_chunks else None
-            seq.proposer.start(prompt, hidden_rows, hidden_start=seq.reused_prefix)
+            self._guard(seq, "proposer_start", seq.proposer.start, prompt, hidden_rows,
+                        hidden_start=seq.reused_prefix)
         seq.hidden_chunks = []
         self.target.slot_to_row(slot, len(prompt))
         self.decoding.append(seq)
@@ -316,12 +339,13 @@ class Engine:
     # ---- decode ----------------------------------------------------------------------
     def _decode_step(self) -> None:
         rows = self.decoding
-        ks = self.planner.plan([s.row for s in rows])
+        ks = self._plan(rows)
         proposals = [self._propose(seq, k) for seq, k in zip(rows, ks)]
         t_proposed = time.perf_counter()
         window = max(len(p.tokens) for p in proposals) + 1
         tokens = [[seq.committed[-1], *p.tokens] + [0] * (window - 1 - len(p.tokens))
                   for seq, p in zip(rows, proposals)]
+        faults.check("decode")
         logits, hidden = self.target.decode(len(rows), window, [t for row in tokens for t in row])
         greedy_choice = self._greedy_choices(rows, logits)
         if greedy_choice is not None:
@@ -333,34 +357,79 @@ class Engine:
             n, token = self._accept(seq, logits[i, :len(proposal.tokens) + 1], proposal, choice)
             kept.append(n + 1)
             drafted = len(proposal.tokens)
-            if seq.proposer is not None and seq.proposer.needs_hidden:
-                seq.proposer.observe(hidden[i, :n + 1])
             new = proposal.tokens[:n] + [token]
-            seq.stats.spec.observe_step(drafted, n, len(new))
-            self._spec_totals(seq.method).observe_step(drafted, n, len(new))
-            seq.row.observe(drafted, n, not seq.row.adaptive or self.planner.pays_alone(seq.row))
+            self._observe_row(seq, drafted, n, len(new), hidden[i, :n + 1])
             before = seq.stats.generated_tokens
             seq.commit(new)
             self.totals["generated_tokens"] += seq.stats.generated_tokens - before
         self.target.advance(kept)
         t_end = time.perf_counter()
-        self.planner.observe_step(len(rows), window, t_forward - t_proposed, t_end - t_forward)
+        self._guard(None, "cost_model", self._observe_cost, len(rows), window,
+                    t_forward - t_proposed, t_end - t_forward)
         self.totals["steps"] += 1
         self.batch_histogram[len(rows)] = self.batch_histogram.get(len(rows), 0) + 1
         for index in reversed(range(len(rows))):
             if rows[index].finished:
                 self._remove_row(index)
 
+    # ---- speculation bookkeeping: a fault here costs speculation, never the request ---------
+    def _guard(self, seq: Sequence | None, source: str, fn, *args, **kwargs):
+        """Run bookkeeping `fn`; on a fault count it, log it once, and return None. A proposer
+        that raised is dropped for the rest of its request (its cache state is unknown)."""
+        try:
+            faults.check(source)
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            if seq is not None and source.startswith("propos"):
+                source = f"proposer:{seq.method}"
+                seq.proposer = None
+                seq.row.k_max = 0
+            self.spec_faults.record(source, exc)
+            return None
+
+    def _plan(self, rows: list[Sequence]) -> list[int]:
+        ks = self._guard(None, "plan", self.planner.plan, [s.row for s in rows])
+        if ks is None or len(ks) != len(rows):
+            return [0] * len(rows)
+        return [max(0, int(k)) for k in ks]
+
+    def _observe_row(self, seq: Sequence, drafted: int, accepted: int, emitted: int, hidden) -> None:
+        seq.stats.spec.observe_step(drafted, accepted, emitted)
+        self._spec_totals(seq.method).observe_step(drafted, accepted, emitted)
+        if seq.proposer is not None and seq.proposer.needs_hidden:
+            self._guard(seq, "proposer_observe", seq.proposer.observe, hidden)
+        self._guard(None, "controller", self._observe_controller, seq.row, drafted, accepted)
+
+    def _observe_controller(self, row: RowController, drafted: int, accepted: int) -> None:
+        row.observe(drafted, accepted, not row.adaptive or self.planner.pays_alone(row))
+
+    def _observe_cost(self, rows: int, window: int, forward_s: float, rest_s: float) -> None:
+        self.planner.observe_step(rows, window, forward_s, rest_s)
+
     def _propose(self, seq: Sequence, k: int) -> Proposal:
         k = min(k, seq.room(self.max_context))
         if not k or seq.proposer is None:
             return Proposal([])
         t0 = time.perf_counter()
-        proposal = seq.proposer.propose(seq.committed, k, seq.params, seq.rng)
-        if len(proposal.tokens) > k:
-            proposal = Proposal(proposal.tokens[:k], None if proposal.q is None else proposal.q[:k])
-        self.planner.observe_proposer(seq.method, k, time.perf_counter() - t0)
+        proposal = self._guard(seq, "propose", self._checked_proposal, seq, k)
+        if proposal is None:
+            return Proposal([])
+        self._guard(None, "cost_model", self.planner.observe_proposer, seq.method, k,
+                    time.perf_counter() - t0)
         return proposal
+
+    def _checked_proposal(self, seq: Sequence, k: int) -> Proposal:
+        proposal = seq.proposer.propose(seq.committed, k, seq.params, seq.rng)
+        tokens = [int(t) for t in proposal.tokens[:k]]
+        vocab = self.vocab_size
+        if any(t < 0 or t >= vocab for t in tokens):
+            raise ValueError(f"proposed token id out of range [0, {vocab})")
+        q = proposal.q
+        if q is not None:
+            q = q[:len(tokens)]
+            if q.shape[0] != len(tokens):
+                raise ValueError(f"proposal has {len(tokens)} tokens but {q.shape[0]} q rows")
+        return Proposal(tokens, q)
 
     @staticmethod
     def _greedy_choices(rows: list[Sequence], logits: mx.array):
@@ -400,7 +469,7 @@ class Engine:
         seq.finish(reason)
         self.memory.reserved -= seq.kv_reserved
         seq.kv_reserved = 0
-        key = "cancelled" if seq.stats.finish_reason == "cancelled" else "completed"
+        key = "cancelled" if seq.stats.finish_reason == "cancelled" else "completed"  # "stop" completes
         self.totals[key] += 1
         seq.proposer = None
 
@@ -413,6 +482,19 @@ class Engine:
         self.decoding.clear()
         self.memory.reserved = 0
         self.target.reset()
+
+    def _fail_prefill(self, seq: Sequence, exc: Exception) -> None:
+        error = exc if isinstance(exc, MacspecError) else MacspecError(f"generation failed: {exc}")
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
+        try:
+            self.target.close_slot(seq.request.id, NO_ENTRY, 0)
+        except Exception:  # its slot may be half-made; the batch rows are untouched
+            logger.debug("closing the failed slot %d", seq.request.id, exc_info=True)
+        seq.emit(Failed(error))
+        self.totals["failed"] += 1
+        self.memory.reserved -= seq.kv_reserved
+        seq.kv_reserved = 0
 
     def _fail_everything(self, error: MacspecError) -> None:
         self._drain_inbox()
@@ -468,6 +550,7 @@ class Engine:
             "totals": dict(self.totals),
             "batch_size_histogram": {str(b): n for b, n in sorted(self.batch_histogram.items())},
             "speculation": {m: s.as_dict() for m, s in self.spec_totals.items()},
+            "speculation_faults": self.spec_faults.as_dict(),
             "rows": {"k_in_use": [seq.row.last_k for seq in rows], "states": states},
             "cost_model": self.planner.as_dict(),
             "prefix_cache": self.prefix_cache.as_dict(),
@@ -485,6 +568,12 @@ class Engine:
         return {"ranks": self.tp.size, "plans": self.tp.channel.sequence,
                 "plan_collectives": self.tp.channel.collectives,
                 "step_timeout_s": self.tp.step_timeout_s, "worker_pids": self.tp.peers.pids}
+
+
+class _PrefillFailed(Exception):
+    def __init__(self, seq: Sequence, cause: Exception):
+        super().__init__(str(cause))
+        self.seq, self.cause = seq, cause
 
 
 def _dtype_bytes(model) -> int:

@@ -15,6 +15,7 @@ from ..engine.engine import Engine
 from ..engine.request import Failed, Finished, GenerationRequest, Tokens
 from ..engine.sampling import SamplingParams
 from ..errors import EngineUnavailableError, MacspecError
+from ..models.detokenizer import IncrementalDecoder
 
 POLL_S = 0.5  # how often a waiting job checks that its client is still connected
 
@@ -40,44 +41,53 @@ class JobResult:
 
 
 class TextAssembler:
+    """Token ids -> text deltas, holding back a possible stop string's start; O(n) overall."""
+
     def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer = tokenizer
+        self.decoder = IncrementalDecoder(tokenizer)
         self.stop = [s for s in stop if s]
-        self.ids: list[int] = []
-        self.decoded = ""  # text of self.ids that is final (no partial UTF-8)
-        self.emitted = 0  # characters of self.decoded already handed out
+        self.emitted = 0  # characters of the decoded text already handed out
         self.stopped_at: str | None = None
         self._stop_index = 0
 
+    @property
+    def ids(self) -> list[int]:
+        return self.decoder.ids
+
     def add(self, ids: list[int]) -> str:
         """New text safe to send; sets stopped_at when a stop string matched."""
-        self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids)
-        if not text.endswith("\ufffd"):
-            self.decoded = text
-        pending = self.decoded[self.emitted:]
-        for stop in self.stop:
-            # search from just before the unsent text so a match spanning the boundary counts
-            start = max(0, self.emitted - len(stop) + 1)
-            hit = self.decoded.find(stop, start)
-            if hit != -1 and (self.stopped_at is None or hit < self._stop_index):
-                self.stopped_at, self._stop_index = stop, hit
-        if self.stopped_at is not None:
-            out = self.decoded[self.emitted:max(self.emitted, self._stop_index)]
-            self.emitted = len(self.decoded)
-            return out
-        keep = self._held_back(pending)
-        out = pending[:len(pending) - keep]
-        self.emitted += len(out)
-        return out
+        self.decoder.add(ids)
+        return self._release(self.decoder.text)
 
     def flush(self) -> str:
         """At the end: whatever was held back for a stop string that never came."""
         if self.stopped_at is not None:
             return ""
-        text = self.tokenizer.decode(self.ids)
-        out = text[self.emitted:]
-        self.emitted = len(text)
+        self.decoder.flush()
+        text = self.decoder.text
+        out = self._release(text)
+        if self.stopped_at is None:
+            out += text[self.emitted:]
+            self.emitted = len(text)
+        return out
+
+    def _release(self, decoded: str) -> str:
+        if self.stopped_at is not None:
+            return ""
+        pending = decoded[self.emitted:]
+        for stop in self.stop:
+            # search from just before the unsent text so a match spanning the boundary counts
+            start = max(0, self.emitted - len(stop) + 1)
+            hit = decoded.find(stop, start)
+            if hit != -1 and (self.stopped_at is None or hit < self._stop_index):
+                self.stopped_at, self._stop_index = stop, hit
+        if self.stopped_at is not None:
+            out = decoded[self.emitted:max(self.emitted, self._stop_index)]
+            self.emitted = len(decoded)
+            return out
+        keep = self._held_back(pending)
+        out = pending[:len(pending) - keep]
+        self.emitted += len(out)
         return out
 
     def _held_back(self, pending: str) -> int:
@@ -146,7 +156,7 @@ class Job:
         self.done = True
         self.result.finish_reason = "stop"
         self.result.stop_sequence = self.text.stopped_at
-        self.engine.cancel(self.request.id)
+        self.engine.cancel(self.request.id, "stop")
 
     def close(self) -> None:
         """Cancel in the engine unless the generation already ended (idempotent)."""

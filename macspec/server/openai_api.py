@@ -16,7 +16,8 @@ from .state import STATE, ServerState
 ROLES = ("system", "developer", "user", "assistant", "tool")
 UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": 0, "presence_penalty": 0,
                "frequency_penalty": 0, "tools": [], "functions": [], "logit_bias": {},
-               "best_of": 1, "echo": False, "suffix": None}
+               "best_of": 1, "echo": False, "suffix": None, "response_format": {"type": "text"}}
+NO_TOOL_CHOICES = (None, "none", "auto")  # without tools, nothing else can be honoured
 
 
 def message_text(content, index: int) -> str:
@@ -67,6 +68,9 @@ def completion_prompt(body: dict, tokenizer) -> list[int]:
 def _common(body: dict, state: ServerState):
     state.check_model(body.get("model"))
     reject_unsupported(body, UNSUPPORTED)
+    if body.get("tool_choice") not in NO_TOOL_CHOICES:
+        raise RequestError(f"'tool_choice' = {body['tool_choice']!r} needs tools, which are not "
+                           "supported yet"[:300], "tool_choice")
     stream = get_bool(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):

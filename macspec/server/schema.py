@@ -15,16 +15,50 @@ from .jobs import JobSpec
 MAX_STOP_STRINGS = 16
 
 
+MAX_JSON_DEPTH = 64
+GREEDY_BELOW = 1e-5  # temperatures and top_p this small mean "the most likely token"
+
+
 def parse_json_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise RequestError("the request body is not valid UTF-8") from None
+    except RecursionError:
+        raise RequestError(f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
     except ValueError as err:
         raise RequestError(f"the request body is not valid JSON: {err}") from None
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    check_json_values(body)
     return body
+
+
+def check_json_values(body: dict) -> None:
+    """Every string must be encodable text (a lone surrogate such as "\\ud800" is not) and the
+    nesting shallow; walked with an explicit stack so no input can exhaust Python's."""
+    stack = [(body, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise RequestError(f"the request body is nested too deeply at {path or 'the top'} "
+                               f"(at most {MAX_JSON_DEPTH} levels)", _top_field(path))
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError(f"'{path}' contains a lone UTF-16 surrogate (not valid text)",
+                                   _top_field(path)) from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, path or "(key)", depth + 1))
+                stack.append((item, f"{path}.{key}" if path else str(key), depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+
+
+def _top_field(path: str) -> str | None:
+    return path.split(".")[0].split("[")[0] or None
 
 
 def _type_name(value) -> str:
@@ -87,16 +121,20 @@ def get_stop(body: dict, name: str) -> list[str]:
 
 
 def sampling_params(body: dict, defaults, temperature_max: float = 2.0) -> SamplingParams:
+    """Tiny temperatures and top_p (down to 0) are the limit they tend to: greedy decoding."""
     top_k = get_int(body, "top_k", None, lo=-1)
+    temperature = get_float(body, "temperature", defaults.temperature, 0.0, temperature_max)
+    top_p = get_float(body, "top_p", defaults.top_p, 0.0, 1.0)
+    if temperature < GREEDY_BELOW or top_p < GREEDY_BELOW:
+        temperature, top_p = 0.0, 1.0
     return SamplingParams(
-        temperature=get_float(body, "temperature", defaults.temperature, 0.0, temperature_max),
-        top_p=get_float(body, "top_p", defaults.top_p, 0.0, 1.0) or 1.0,
+        temperature=temperature,
+        top_p=top_p,
         top_k=defaults.top_k if top_k is None else max(top_k, 0),
         min_p=get_float(body, "min_p", defaults.min_p, 0.0, 1.0),
         repetition_penalty=get_float(body, "repetition_penalty", defaults.repetition_penalty, 0.01, 10.0),
         repetition_context_size=defaults.repetition_context_size,
-        seed=get_int(body, "seed", defaults.seed, lo=-(2**63), hi=2**63 - 1) if body.get("seed") is not None
-        else defaults.seed,
+        seed=get_int(body, "seed", defaults.seed, lo=0, hi=2**63 - 1),
     )
 
 

@@ -14,6 +14,7 @@ steps, P doubling while probes fail (as the single-stream KController does).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +24,7 @@ from .controller import ALPHA_PRIOR, PROBE_STEPS, _fmt, expected_tokens, observe
 logger = logging.getLogger(__name__)
 
 FORGET = 0.97  # weight of past observations per new one in the forward-cost fit
+RIDGE = 1e-6  # fixed, relative to the Gram matrix's scale: identical observations stay solvable
 EWMA = 0.1
 NEAR_TIE = 1.02  # prefer the smaller k unless the larger is 2% better
 
@@ -31,7 +33,7 @@ class ForwardCostModel:
     """t_target(B, N) ≈ c0 + c1·B + c2·B·N, non-negative coefficients."""
 
     def __init__(self):
-        self.gram = np.eye(3) * 1e-9
+        self.gram = np.zeros((3, 3))
         self.moment = np.zeros(3)
         self.coef = np.zeros(3)
         self.num_observations = 0
@@ -41,23 +43,31 @@ class ForwardCostModel:
         return np.array([1.0, rows, rows * window])
 
     def observe(self, rows: int, window: int, seconds: float, weight: float = 1.0) -> None:
+        if not math.isfinite(seconds) or seconds < 0:
+            return  # a clock glitch must not poison the fit
         x = self.features(rows, window)
         if self.num_observations > 8:  # a one-off stall (GC, a new shape) must not swing the fit
             seconds = min(seconds, 3 * self.predict(rows, window))
         self.gram = FORGET * self.gram + weight * np.outer(x, x)
         self.moment = FORGET * self.moment + weight * seconds * x
         self.num_observations += 1
-        self.coef = _nonnegative_solve(self.gram, self.moment)
+        coef = _nonnegative_solve(self.gram, self.moment)
+        if np.isfinite(coef).all():  # else keep the last good fit
+            self.coef = coef
 
     def predict(self, rows: int, window: int) -> float:
         return max(float(self.features(rows, window) @ self.coef), 1e-6)
 
 
 def _nonnegative_solve(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
+    """Ridge least squares with coefficients clamped at zero (active set). The ridge is fixed
+    relative to the Gram matrix, so a fit from one repeated shape (rank 1) stays well-posed."""
+    scale = max(float(np.trace(gram)) / len(moment), 1e-12)
+    regularized = gram + RIDGE * scale * np.eye(len(moment))
     active = list(range(len(moment)))
     coef = np.zeros(len(moment))
     for _ in range(len(moment)):
-        sub = np.linalg.solve(gram[np.ix_(active, active)], moment[active])
+        sub = np.linalg.lstsq(regularized[np.ix_(active, active)], moment[active], rcond=None)[0]
         if (sub >= 0).all():
             coef[:] = 0
             coef[active] = sub
