@@ -11,14 +11,15 @@ import json
 import logging
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
+from ..childproc import macspec_argv
 from ..config import ParallelConfig, Profile
 from ..errors import MacspecError
 
@@ -26,7 +27,13 @@ logger = logging.getLogger(__name__)
 
 GROUP_ENV = "MACSPEC_TP_GROUP"
 LOCAL_NAMES = {"127.0.0.1", "localhost", "::1"}
-JOIN_TIMEOUT_S = 120.0
+KEEP_LOG_DIRS = 10  # tensor-parallel sessions whose worker logs stay in the state dir
+GUARD_SCRIPT = Path(__file__).with_name("join_guard.py")
+
+
+def joining_marker(rank: int) -> str:
+    """What a worker prints (into the log rank 0 keeps) right before it enters init."""
+    return f"macspec-tp: rank {rank} joining the group"
 
 
 class BootstrapError(MacspecError):
@@ -63,6 +70,10 @@ def group_spec(par: ParallelConfig) -> dict:
             addresses = [f"{socket.gethostbyname(h)}:{par.port + r}" for r, h in enumerate(hosts)]
         return {"backend": "ring", "world": world, "hostfile": [[a] for a in addresses]}
     if par.backend == "jaccl":
+        if sys.platform != "darwin":
+            raise BootstrapError(f"parallel.backend = 'jaccl' (RDMA over Thunderbolt 5) needs macOS 26.2 "
+                                 f"or later; this is {sys.platform}. To try the profile here, set "
+                                 "parallel.backend = \"ring\" (TCP) in a copy of it")
         if not par.ibv_devices or not par.coordinator:
             raise BootstrapError("parallel.backend = 'jaccl' needs parallel.ibv_devices and "
                                  "parallel.coordinator in the profile (see `macspec doctor --peers`)")
@@ -89,19 +100,25 @@ def join_group(spec: dict, rank: int):
     import mlx.core as mx
 
     share_cores(spec, rank)
-    folder = Path(tempfile.mkdtemp(prefix="macspec-tp-"))
     os.environ["MLX_RANK"] = str(rank)
-    if spec["backend"] == "ring":
-        (folder / "hosts.json").write_text(json.dumps(spec["hostfile"]))
-        os.environ["MLX_HOSTFILE"] = str(folder / "hosts.json")
-    else:
-        (folder / "devices.json").write_text(json.dumps(spec["devices"]))
-        os.environ["MLX_IBV_DEVICES"] = str(folder / "devices.json")
-        os.environ["MLX_JACCL_COORDINATOR"] = spec["coordinator"]
-    try:
-        group = mx.distributed.init(backend=spec["backend"], strict=True)
-    except (RuntimeError, ValueError) as err:
-        raise BootstrapError(f"rank {rank}: mx.distributed.init({spec['backend']!r}) failed: {err}") from None
+    with tempfile.TemporaryDirectory(prefix="macspec-tp-") as tmp:  # MLX reads them in init
+        folder = Path(tmp)
+        if spec["backend"] == "ring":
+            (folder / "hosts.json").write_text(json.dumps(spec["hostfile"]))
+            os.environ["MLX_HOSTFILE"] = str(folder / "hosts.json")
+        else:
+            (folder / "devices.json").write_text(json.dumps(spec["devices"]))
+            os.environ["MLX_IBV_DEVICES"] = str(folder / "devices.json")
+            os.environ["MLX_JACCL_COORDINATOR"] = spec["coordinator"]
+        try:
+            group = mx.distributed.init(backend=spec["backend"], strict=True)
+        except (RuntimeError, ValueError) as err:
+            hint = ""
+            if spec["backend"] == "jaccl":
+                hint = ("; JACCL needs macOS 26.2+ with RDMA enabled (`macspec doctor --peers`), or set "
+                        "parallel.backend = \"ring\"")
+            raise BootstrapError(f"rank {rank}: mx.distributed.init({spec['backend']!r}) failed: "
+                                 f"{err}{hint}") from None
     if group.size() != spec["world"] or group.rank() != rank:
         raise BootstrapError(f"joined a group of {group.size()} as rank {group.rank()}; expected "
                              f"{spec['world']} ranks with this one as rank {rank}")
@@ -112,9 +129,12 @@ class Peers:
     """The worker processes rank 0 started; their exit is noticed within a watchdog poll."""
 
     def __init__(self):
+        from ..paths import fresh_subdir, state_dir
+
         self.procs: list[tuple[int, str, subprocess.Popen, Path]] = []
         self.stopping = False
-        self.log_dir = Path(tempfile.mkdtemp(prefix="macspec-tp-logs-"))
+        session = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-"
+        self.log_dir = fresh_subdir(state_dir() / "tp-logs", session, KEEP_LOG_DIRS)
 
     @classmethod
     def launch(cls, profile: Profile, spec: dict) -> "Peers":
@@ -129,8 +149,8 @@ class Peers:
         log = self.log_dir / f"rank{rank}.log"
         group_json = json.dumps(spec)
         if is_local(host):
-            argv = [sys.executable, "-m", "macspec", "tp-worker", "--profile",
-                    profile.source or profile.name, "--rank", str(rank)]
+            argv = macspec_argv("tp-worker", "--profile", profile.source or profile.name,
+                                "--rank", str(rank))
             env = {**os.environ, GROUP_ENV: group_json}
         else:
             argv = ssh_command(par, host, profile.name, rank, group_json)
@@ -156,6 +176,44 @@ class Peers:
             if proc.returncode not in (None, 0, -15, -9):
                 return f"rank {rank} on {host} exited with code {proc.returncode}{log_tail(log)}"
         return None
+
+    def kill(self, grace: float = 1.0) -> None:
+        """Start-up failed or was interrupted: the peers cannot be told to leave; end them."""
+        self.stopping = True
+        for _, _, proc, _ in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.send_signal(signal.SIGCONT)  # a stopped process acts on SIGTERM only once resumed
+        deadline = time.monotonic() + grace
+        for _, _, proc, _ in self.procs:
+            try:
+                proc.wait(max(0.05, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def wait_until_joining(self, deadline: float, where: str) -> None:
+        """Until every peer says it is entering init: one that exits first, or the deadline,
+        is an error naming it (Python waits here, so Ctrl-C works)."""
+        pending = {rank for rank, _, _, _ in self.procs}
+        while pending:
+            for rank, host, proc, log in self.procs:
+                if rank not in pending:
+                    continue
+                code = proc.poll()
+                if code is not None:
+                    raise BootstrapError(f"rank {rank} on {host} exited with code {code} before joining "
+                                         f"the group{log_tail(log)}")
+                try:
+                    if joining_marker(rank) in log.read_text(errors="replace"):
+                        pending.discard(rank)
+                except OSError:
+                    pass
+            if pending and time.monotonic() > deadline:
+                rank, host, proc, log = next(p for p in self.procs if p[0] in pending)
+                raise BootstrapError(f"rank {rank} on {host} (pid {proc.pid}) did not start joining the "
+                                     f"group in time (check {where}){log_tail(log)}")
+            time.sleep(0.05)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Wait for workers told to stop; terminate, then kill, the ones that do not."""
@@ -193,27 +251,22 @@ def log_tail(path: Path, lines: int = 6) -> str:
     return (": " + " | ".join(line.strip() for line in text)) if text else ""
 
 
-def join_with_peers(spec: dict, peers: Peers):
-    """Rank 0 joins while watching the peers: one that dies during init fails fast, with its log."""
-    result: dict = {}
-
-    def init():
+def join_with_peers(spec: dict, peers: Peers, timeout: float):
+    """Rank 0 joins once every peer is about to; a peer that dies, a deadline, or Ctrl-C at any
+    moment ends start-up with an error naming the peer (its exit code and log tail)."""
+    deadline = time.monotonic() + timeout
+    where = ", ".join(a[0] for a in spec["hostfile"]) if spec["backend"] == "ring" else spec["coordinator"]
+    peers.wait_until_joining(deadline, where)
+    config = {"parent": os.getpid(), "timeout": max(1.0, deadline - time.monotonic()), "where": where,
+              "peers": [[rank, host, proc.pid, str(log)] for rank, host, proc, log in peers.procs]}
+    guard = subprocess.Popen([sys.executable, "-I", str(GUARD_SCRIPT), json.dumps(config)],
+                             stdin=subprocess.PIPE)
+    try:
+        return join_group(spec, 0)
+    finally:
         try:
-            result["group"] = join_group(spec, 0)
-        except BaseException as err:  # handed to the waiting thread below
-            result["error"] = err
-
-    thread = threading.Thread(target=init, name="macspec-tp-join", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    while thread.is_alive():
-        thread.join(0.2)
-        exited = peers.first_exited()
-        if exited and thread.is_alive():
-            raise BootstrapError(f"a peer failed while the group formed: {exited}")
-        if time.monotonic() > deadline:
-            raise BootstrapError(f"the group did not form within {JOIN_TIMEOUT_S:.0f} s "
-                                 f"(hosts {spec.get('hostfile') or spec.get('coordinator')})")
-    if "error" in result:
-        raise result["error"]
-    return result["group"]
+            guard.stdin.write(b"done")
+            guard.stdin.close()
+        except OSError:
+            pass
+        guard.wait()

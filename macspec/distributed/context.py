@@ -29,14 +29,14 @@ class TPContext:
         spec = group_spec(profile.parallel)
         peers = Peers.launch(profile, spec)
         try:
-            group = join_with_peers(spec, peers)
+            group = join_with_peers(spec, peers, profile.parallel.join_timeout_s)
             handshake(group, identity(profile))
         except PeerLeftError as err:
             peers.shutdown(timeout=5)
             exited = peers.first_exited_after_stop()
             raise PeerLeftError(f"{err}{'; ' + exited if exited else ''}") from None
         except BaseException:
-            peers.shutdown(timeout=5)
+            peers.kill()  # they cannot be told to leave before the group works
             raise
         logger.info("tensor-parallel group of %d ready (%s)", group.size(), spec["backend"])
         return cls(group, peers, PlanChannel(group), profile.parallel.step_timeout_s)
@@ -57,9 +57,11 @@ class TPContext:
         if self.closed:
             return
         self.closed = True
-        if clean:
-            try:
-                self.send_op("shutdown")
-            except Exception as err:  # a dead peer: reaping below still ends the others
-                logger.warning("could not send shutdown to the peers: %s", err)
-        self.peers.shutdown(timeout=10 if clean else 2)
+        if not clean:  # interrupted, or a peer is gone: nobody waits for a goodbye
+            self.peers.kill()
+            return
+        try:
+            self.send_op("shutdown")
+        except Exception as err:  # a dead peer: reaping below still ends the others
+            logger.warning("could not send shutdown to the peers: %s", err)
+        self.peers.shutdown(timeout=10)

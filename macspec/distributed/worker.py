@@ -16,7 +16,7 @@ from ..config import load_profile
 from ..engine.target_state import TargetState
 from ..models.loader import load_model
 from ..models.target import TargetView
-from .bootstrap import GROUP_ENV, BootstrapError, join_group
+from .bootstrap import GROUP_ENV, BootstrapError, join_group, joining_marker
 from .channel import PlanChannel
 from .handshake import handshake, identity
 
@@ -31,6 +31,7 @@ def worker_main(profile_ref: str, rank: int) -> None:
                              f"tensor_parallel profile); {GROUP_ENV} is not set")
     spec = json.loads(os.environ[GROUP_ENV])
     profile = load_profile(profile_ref)  # before joining: a bad profile fails rank 0's start fast
+    print(joining_marker(rank), flush=True)  # rank 0 waits for this line in our log
     group = join_group(spec, rank)
     handshake(group, identity(profile))
     m = profile.model

@@ -18,8 +18,8 @@ def start_engine(profile: Profile, max_batch: int | None = None, calibrate: bool
         runtime = Runtime.load(profile, tp)
         engine = Engine(runtime, max_batch=max_batch, tp=tp)
         engine.start(calibrate=calibrate)
-    except BaseException:
-        if tp is not None:
-            tp.close()
+    except BaseException as exc:
+        if tp is not None:  # Ctrl-C while loading: end the peers now, not after their load
+            tp.close(clean=not isinstance(exc, KeyboardInterrupt))
         raise
     return engine

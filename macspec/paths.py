@@ -1,0 +1,32 @@
+"""Where macspec keeps its state: $MACSPEC_HOME/state, else the platform's user state dir."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .config import HOME_ENV
+
+
+def state_dir() -> Path:
+    home = os.environ.get(HOME_ENV)
+    if home:
+        path = Path(home) / "state"
+    else:
+        import platformdirs
+
+        path = Path(platformdirs.user_state_dir("macspec"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def fresh_subdir(parent: Path, prefix: str, keep: int) -> Path:
+    """A new folder in `parent` named prefix + a unique suffix, after removing the oldest
+    siblings beyond `keep` (so logs stay bounded)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    old = sorted((p for p in parent.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    for path in old[:max(0, len(old) - keep + 1)]:
+        shutil.rmtree(path, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
