@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ from .engine.generator import Generator
 from .engine.runtime import Runtime
 from .engine.sampling import SamplingParams
 from .models.detokenizer import IncrementalDecoder
+from . import progress
+from .progress import phase
 
 # CLI flag -> profile key it overrides (CLI flag > profile > default).
 FLAG_KEYS = {
@@ -115,7 +118,11 @@ def _stream(profile: Profile, runtime: Runtime, prompt: str, opts: RunOptions, s
     tokens = encode_prompt(runtime.tokenizer, prompt, profile.model.chat)
     text = IncrementalDecoder(runtime.tokenizer)
     stats: dict = {}
-    for step in steps(tokens, stats):
+    with phase(f"prefilling {len(tokens)} prompt tokens"):
+        pending = iter(steps(tokens, stats))
+        first = next(pending, [])
+    progress.clear()
+    for step in itertools.chain([first], pending):
         segment = text.add(step)
         if segment and not opts.as_json:
             sys.stdout.write(segment)

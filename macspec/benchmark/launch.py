@@ -11,6 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from ..childproc import macspec_argv
 from ..errors import MacspecError
 from ..server.daemon import tail
 
@@ -27,16 +28,17 @@ class LaunchedServer:
         self.url = f"http://127.0.0.1:{port}"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "wb") as out:
+            merged = {**os.environ, **(env or {})}  # a None value unsets the variable
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **(env or {})})
+                                         env={k: v for k, v in merged.items() if v is not None})
 
     @classmethod
     def macspec(cls, profile_file: str, work: Path, api_key: str | None = None) -> "LaunchedServer":
         port = free_port()
-        argv = [sys.executable, "-m", "macspec", "serve", "--profile", profile_file,
-                "--port", str(port), "--log-level", "info"]
+        argv = macspec_argv("serve", "--profile", profile_file, "--port", str(port), "--log-level", "info")
         # Its own state dir, so the user's `macspec status` record is left alone.
-        env = {"MACSPEC_HOME": str(work / "home"), "MACSPEC_API_KEY": api_key or ""}
+        # No key: unset (`macspec serve` refuses an empty MACSPEC_API_KEY).
+        env = {"MACSPEC_HOME": str(work / "home"), "MACSPEC_API_KEY": api_key or None}
         return cls("macspec serve", argv, port, work / "macspec-serve.log", env)
 
     @classmethod
@@ -46,7 +48,7 @@ class LaunchedServer:
         if draft_dir is not None:
             args += ["--draft-model", str(draft_dir)]
         # Through `import macspec`, so mlx_lm.server gets the same BLAS as macspec on Linux.
-        code = ("import sys, runpy, macspec; sys.argv = ['mlx_lm.server'] + sys.argv[1:]; "
+        code = ("import sys, runpy; del sys.path[0]; import macspec; sys.argv = ['mlx_lm.server'] + sys.argv[1:]; "
                 "runpy.run_module('mlx_lm.server', run_name='__main__')")
         return cls("mlx_lm.server", [sys.executable, "-c", code, *args], port, work / "mlx-lm-server.log")
 

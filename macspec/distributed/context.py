@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..config import Profile
+from ..progress import phase
 from .bootstrap import Peers, group_spec, join_with_peers
 from .channel import PlanChannel
 from .handshake import PeerLeftError, handshake, identity
@@ -29,8 +30,9 @@ class TPContext:
         spec = group_spec(profile.parallel)
         peers = Peers.launch(profile, spec)
         try:
-            group = join_with_peers(spec, peers, profile.parallel.join_timeout_s)
-            handshake(group, identity(profile))
+            with phase(f"forming the tensor-parallel group ({spec['world']} ranks, {spec['backend']})"):
+                group = join_with_peers(spec, peers, profile.parallel.join_timeout_s)
+                handshake(group, identity(profile))
         except PeerLeftError as err:
             peers.shutdown(timeout=5)
             exited = peers.first_exited_after_stop()

@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from ..errors import EngineUnavailableError, MacspecError, QueueFullError, RequestError
 from ..monitor.memory import MB, KVBudget, kv_bytes_per_token, usage
+from ..progress import phase
 from ..spec.base import Proposal
 from ..spec.planner import BatchPlanner, RowController
 from ..spec.stats import SpecStats
@@ -103,7 +104,8 @@ class Engine:
         if self.watchdog is not None:
             self.watchdog.start()
         if calibrate:
-            self._calibrate()
+            with phase("calibrating the target's step cost"):
+                self._calibrate()
         self._thread = threading.Thread(target=self._loop, name="macspec-engine", daemon=True)
         self._thread.start()
 

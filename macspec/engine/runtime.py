@@ -12,6 +12,7 @@ from ..models.loader import LoadedModel, load_model, load_mtp_head
 from ..models.mtp import MTPHead
 from ..models.target import TargetView
 from ..monitor.memory import apply_wired_limit
+from ..progress import phase
 from ..spec.base import Proposer
 from ..spec.draft import DraftProposer
 from ..spec.mtp import MTPProposer
@@ -71,17 +72,20 @@ class Runtime:
         """`tp` (a TPContext): load this rank's shard; proposers stay whole, on rank 0 only."""
         m = profile.model
         apply_wired_limit(profile.hardware.wired_limit_mb)  # Metal only: before weights land
-        target = load_model(m.path, m.dtype, m.revision, m.trust_remote_code,
-                            group=tp.group if tp else None)
-        if tp is not None:  # the workers run this check with us, inside their plan loop
-            tp.send_op("check_hidden")
-            target.hidden_is_final = TargetView(target.model).hidden_is_final()
+        with phase(f"loading {m.path}" + (f" (shard of {tp.size})" if tp else "")):
+            target = load_model(m.path, m.dtype, m.revision, m.trust_remote_code,
+                                group=tp.group if tp else None)
+            if tp is not None:  # the workers run this check with us, inside their plan loop
+                tp.send_op("check_hidden")
+                target.hidden_is_final = TargetView(target.model).hidden_is_final()
         method = profile.speculative.method
         runtime = cls(profile, target, method)
         if method == "draft":
-            runtime._attach_draft()
+            with phase(f"loading the draft {profile.speculative.draft_model}"):
+                runtime._attach_draft()
         elif method == "mtp":
-            runtime.mtp_head = load_mtp_head(target)
+            with phase("loading the MTP head"):
+                runtime.mtp_head = load_mtp_head(target)
         logger.info("loaded %s (method %s)", target.path, runtime.method)
         return runtime
 

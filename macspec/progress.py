@@ -1,0 +1,44 @@
+"""Start-up phases (model load, tensor-parallel group, calibration): each is logged at info
+with its duration and, when stderr is a terminal and the command asked for it, shown as one
+live status line there, so a user never stares at a silent prompt for seconds."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from contextlib import contextmanager
+
+logger = logging.getLogger("macspec.startup")
+
+_live = False
+
+
+def show_on_terminal(enabled: bool = True) -> None:
+    """Called by the CLI (not with --json): live lines only if stderr is a terminal."""
+    global _live
+    _live = enabled and sys.stderr.isatty()
+
+
+@contextmanager
+def phase(what: str):
+    started = time.perf_counter()
+    logger.info("%s…", what)
+    if _live:
+        sys.stderr.write(f"\r\033[K{what}…")
+        sys.stderr.flush()
+    try:
+        yield
+    finally:
+        seconds = time.perf_counter() - started
+        logger.info("%s: %.2f s", what, seconds)
+        if _live:
+            sys.stderr.write(f"\r\033[K{what}: {seconds:.1f} s")
+            sys.stderr.flush()
+
+
+def clear() -> None:
+    """Remove the live line (before the output it was waiting for)."""
+    if _live:
+        sys.stderr.write("\r\033[K")
+        sys.stderr.flush()
