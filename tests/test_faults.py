@@ -151,3 +151,20 @@ def test_faults_reach_metrics(server):
     text = requests.get(server.url + "/metrics", timeout=10).text
     assert "macspec_speculation_faults_total" in text
     assert json.dumps(_status(server)["speculation_faults"])
+
+
+def test_tp_engine_failure_is_logged_with_its_traceback(tmp_path, monkeypatch):
+    from .tputil import TPServer
+
+    monkeypatch.setenv(faults.ENV, "decode:1")
+    server = TPServer("tiny-tp2", tmp_path / "home")
+    try:
+        reply = requests.post(server.url + "/v1/completions", timeout=60,
+                              json={"prompt": "import os", "max_tokens": 8, "temperature": 0})
+        assert reply.status_code == 503 and "injected fault at decode" in reply.text
+        assert server.proc.wait(30) != 0  # the ranks may be out of lock-step: the daemon exits
+    finally:
+        server.stop()
+    log = server.log.read_text()
+    assert "tensor-parallel engine step failed" in log and "Traceback" in log
+    assert 'raise entry[0]' in log or "faults.py" in log

@@ -52,6 +52,7 @@ class Engine:
         if profile.kv.kv_bits:
             logger.warning("kv.kv_bits = %d is applied by `macspec run` only; the serving engine keeps "
                            "its batched KV in the model's dtype", profile.kv.kv_bits)
+        faults.arm_from_env()
         self.tp = tp  # a TPContext: every target op is mirrored to the workers
         self.watchdog = None
         self.target = self._make_target(TargetState(self.view))
@@ -180,12 +181,14 @@ class Engine:
                 self.degraded_reason = None
             except _PrefillFailed as failure:  # only the request being prefilled is concerned
                 if self.tp is not None:
+                    logger.error("tensor-parallel prefill failed", exc_info=failure.cause)
                     self.fatal(self._explain_tp_failure(failure.cause))
                     break
                 logger.error("prefill of request %d failed", failure.seq.request.id, exc_info=failure.cause)
                 self._fail_prefill(failure.seq, failure.cause)
             except Exception as exc:  # an engine bug must fail requests, never hang them
                 if self.tp is not None:  # the ranks may no longer be in lock-step
+                    logger.error("tensor-parallel engine step failed", exc_info=exc)
                     self.fatal(self._explain_tp_failure(exc))
                     break
                 logger.exception("engine step failed")

@@ -5,12 +5,14 @@ must cost that row its speculation for the step, never the request. `SpecFaults`
 faults (shown in /v1/status and /metrics) and logs each kind once with its cause.
 
 `arm(point, error)` makes the engine raise `error` the next time it reaches `point` (fault
-injection for tests and chaos drills); an unarmed point costs one dict lookup.
+injection for tests and chaos drills); an unarmed point costs one dict lookup. A daemon takes
+them from MACSPEC_INJECT_FAULTS="point[:times],..." at start.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 logger = logging.getLogger(__name__)
@@ -28,6 +30,17 @@ def arm(point: str, error: BaseException, times: int = 1) -> None:
         raise ValueError(f"unknown fault point {point!r}; one of {', '.join(POINTS)}")
     with _armed_lock:
         _armed[point] = [error, times]
+
+
+ENV = "MACSPEC_INJECT_FAULTS"
+
+
+def arm_from_env() -> None:
+    """Arm the faults named in MACSPEC_INJECT_FAULTS (each raises RuntimeError)."""
+    for item in filter(None, (part.strip() for part in os.environ.get(ENV, "").split(","))):
+        point, _, times = item.partition(":")
+        arm(point, RuntimeError(f"injected fault at {point}"), int(times or 1))
+        logger.warning("fault injection armed: %s x%s (%s)", point, times or 1, ENV)
 
 
 def disarm_all() -> None:
