@@ -70,33 +70,48 @@ def main():
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="warning", show_default=True)
 def run(prompt, profile, as_json, log_level, **flags):
     """Generate a continuation of PROMPT (- reads stdin), streamed, then one stats line."""
-    from .run import RunOptions, run_once
+    from . import progress
 
     setup_logging(log_level)
+    progress.show_on_terminal(not as_json)
+    with progress.phase("starting MLX"):
+        from .run import RunOptions, run_once
     if prompt == "-":
         prompt = sys.stdin.read()
     run_once(load_profile(profile), prompt, RunOptions(as_json=as_json, **flags))
+
+
+API_KEY_ENV = "MACSPEC_API_KEY"
 
 
 @main.command()
 @profile_option
 @click.option("--host", help="Bind address (default: the profile's, 127.0.0.1).")
 @click.option("--port", type=click.IntRange(0, 65535), help="Port (0 = any free port).")
-@click.option("--api-key", envvar="MACSPEC_API_KEY", help="Require this Bearer key "
-              "(default: $MACSPEC_API_KEY, or the env var named by server.api_key_env).")
+@click.option("--name", help="A name for this server, for `macspec status/stop --name`.")
+@click.option("--api-key", envvar=API_KEY_ENV, help="Require this Bearer key; prefer setting "
+              "$MACSPEC_API_KEY (or the env var named by server.api_key_env): `ps` shows flags.")
 @click.option("--max-batch", type=click.IntRange(1, 256), help="Requests decoded together.")
 @click.option("--max-queue", type=click.IntRange(1), help="Waiting requests before 429.")
 @click.option("--method", type=click.Choice(["draft", "mtp", "ngram", "none"]), help="Default proposer.")
 @click.option("--num-draft", type=click.IntRange(1, 32), help="Default max draft tokens per step.")
 @click.option("--detach", is_flag=True, help="Run in the background; see `macspec status`, `macspec stop`.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
-def serve(profile, host, port, api_key, max_batch, max_queue, method, num_draft, detach, log_level):
+@click.option("--daemon-log", hidden=True, help="Set by --detach: this process is that server.")
+@click.option("--workdir", hidden=True, help="Set by --detach: the user's working directory.")
+@click.pass_context
+def serve(ctx, profile, host, port, name, api_key, max_batch, max_queue, method, num_draft, detach,
+          log_level, daemon_log, workdir):
     """Serve the profile's model over an OpenAI- and Anthropic-compatible HTTP API."""
     import os
+    from pathlib import Path
 
     from .server import daemon
 
+    if workdir:  # a detached server started in the state dir; relative paths are the user's
+        os.chdir(workdir)
     setup_logging(log_level)
+    daemon.check_name(name)
     prof = load_profile(profile)
     overrides = {"server.host": host, "server.port": port, "server.max_batch": max_batch,
                  "server.max_queue": max_queue, "speculative.method": method,
@@ -104,31 +119,106 @@ def serve(profile, host, port, api_key, max_batch, max_queue, method, num_draft,
     for key, value in overrides.items():
         if value is not None:
             prof.override(key, value, "--" + key.split(".")[1].replace("_", "-"))
-    if not api_key and prof.server.api_key_env:
-        api_key = os.environ.get(prof.server.api_key_env)
+    api_key = _serve_api_key(ctx, api_key, prof.server.api_key_env)
+    host, port = prof.server.host, prof.server.port
+    daemon.check_address(host, port)
+    if ctx.get_parameter_source("api_key") == click.core.ParameterSource.COMMANDLINE:
+        logger.warning("--api-key on the command line is visible to every user in `ps` (and stays "
+                       "in your shell history); prefer the %s environment variable, or name "
+                       "another one in the profile's server.api_key_env", API_KEY_ENV)
+    if not api_key and not daemon.is_loopback(host):
+        logger.warning("serving on %s with NO API key: anyone who can reach this machine can use "
+                       "the model. Set a key: export %s=<secret> (or name an env var in the "
+                       "profile's server.api_key_env) and start again; clients send "
+                       "`Authorization: Bearer <secret>`", host, API_KEY_ENV)
     if detach:
-        argv = _without_flags(sys.argv[2:], ("--detach",), ("--api-key",))
-        record = daemon.serve_detached(argv, api_key)
+        given = {"--host": host, "--port": port, "--name": name, "--max-batch": max_batch,
+                 "--max-queue": max_queue, "--method": method, "--num-draft": num_draft}
+        argv = ["--profile", profile, "--log-level", log_level]
+        for flag, value in given.items():
+            if value is not None:
+                argv += [flag, str(value)]
+        record = daemon.serve_detached(argv, api_key, host, port, name)
         click.echo(f"macspec serving in the background: {daemon.describe(record)}")
         return
-    daemon.serve_foreground(prof, prof.server.host, prof.server.port, api_key)
+    daemon.serve_foreground(prof, host, port, api_key, name, Path(daemon_log) if daemon_log else None)
+
+
+def _serve_api_key(ctx, api_key: str | None, key_env: str | None) -> str | None:
+    """--api-key, else $MACSPEC_API_KEY, else the profile's server.api_key_env; an empty key is
+    refused (it would silently turn authentication off)."""
+    import os
+
+    source = ctx.get_parameter_source("api_key")
+    if api_key is not None and not api_key.strip():
+        origin = "--api-key" if source == click.core.ParameterSource.COMMANDLINE else API_KEY_ENV
+        raise MacspecError(f"{origin} is empty; give a non-empty key, or leave it out to serve "
+                           "without authentication")
+    if api_key is None and API_KEY_ENV in os.environ:  # click reads an empty variable as unset
+        raise MacspecError(f"{API_KEY_ENV} is set but empty; set it to a key, or unset it to serve "
+                           "without authentication")
+    if api_key is None and key_env:
+        value = os.environ.get(key_env)
+        if value is not None and not value.strip():
+            raise MacspecError(f"{key_env} (the profile's server.api_key_env) is set but empty; set "
+                               "it to a key, or unset it to serve without authentication")
+        api_key = value
+    return api_key
+
+
+def _stale_notes(notes: list[str]) -> None:
+    for note in notes:
+        click.echo(f"removed a stale server record: {note}", err=True)
 
 
 @main.command()
-@click.option("--json", "as_json", is_flag=True, help="The server's full /v1/status as JSON.")
-def status(as_json):
-    """Is a detached server running? Its address, load and speculation stats."""
+@click.option("--port", type=click.IntRange(1, 65535), help="The server on this port.")
+@click.option("--name", help="The server started with this --name.")
+@click.option("--json", "as_json", is_flag=True, help="The servers' full /v1/status as JSON.")
+def status(port, name, as_json):
+    """The running servers (or one): address, load and speculation stats."""
     import os
 
     from .server import daemon
 
-    record = daemon.read_record()
-    if record is None:
+    live, stale = daemon.read_records()
+    _stale_notes(stale)
+    if not live:
         raise MacspecError("no macspec server is running (start one with `macspec serve --detach`)")
-    body = daemon.query_status(record, os.environ.get("MACSPEC_API_KEY"))
-    if as_json:
-        click.echo(json.dumps({"daemon": record, "status": body}, indent=2))
+    key = os.environ.get(API_KEY_ENV)
+    if port is not None or name is not None:
+        record = daemon.select(live, port, name)
+        body = daemon.query_status(record, key)
+        if as_json:
+            click.echo(json.dumps({"daemon": record, "status": body}, indent=2))
+        else:
+            _echo_status(record, body)
         return
+    servers, failed = [], 0
+    for record in live:
+        try:
+            servers.append({"daemon": record, "status": daemon.query_status(record, key), "error": None})
+        except MacspecError as err:
+            servers.append({"daemon": record, "status": None, "error": str(err)})
+            failed += 1
+    if as_json:
+        click.echo(json.dumps({"servers": servers}, indent=2))
+    else:
+        for i, server in enumerate(servers):
+            if i:
+                click.echo()
+            if server["error"]:
+                click.echo(f"running: {daemon.describe(server['daemon'])}")
+                click.echo(f"  not answering: {server['error']}")
+            else:
+                _echo_status(server["daemon"], server["status"])
+    if failed:
+        sys.exit(1)
+
+
+def _echo_status(record: dict, body: dict) -> None:
+    from .server import daemon
+
     engine = body["engine"]
     click.echo(f"running: {daemon.describe(record)}")
     click.echo(f"model {body['model']} | method {body['method']} | up {body['uptime_s']:.0f} s")
@@ -148,29 +238,100 @@ def status(as_json):
                    f"{spec['tokens_per_forward']:.2f} tokens/forward, mean k {spec['mean_k']:.2f}")
 
 
-def _without_flags(argv: list[str], flags: tuple, with_value: tuple) -> list[str]:
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in flags or any(arg.startswith(f + "=") for f in with_value):
-            continue
-        elif arg in with_value:
-            skip = True
-        else:
-            out.append(arg)
-    return out
-
-
 @main.command()
-def stop():
-    """Stop the detached server (SIGTERM, then SIGKILL after 30 s)."""
+@click.option("--port", type=click.IntRange(1, 65535), help="Stop the server on this port.")
+@click.option("--name", help="Stop the server started with this --name.")
+@click.option("--all", "stop_all", is_flag=True, help="Stop every running server.")
+def stop(port, name, stop_all):
+    """Stop the detached server, or the one given (SIGTERM, then SIGKILL after 30 s)."""
     from .server import daemon
 
-    record = daemon.stop_daemon()
-    if record is None:
+    if stop_all and (port is not None or name is not None):
+        raise click.UsageError("--all stops every server; leave out --port/--name")
+    live, stale = daemon.read_records()
+    _stale_notes(stale)
+    if port is not None or name is not None:
+        targets = [daemon.select(live, port, name)]
+    elif not live:
         raise MacspecError("no macspec server is running")
-    click.echo(f"stopped pid {record['pid']}")
+    elif stop_all:
+        targets = live
+    else:
+        targets = [r for r in live if r.get("detached")]
+        if not targets:
+            raise MacspecError("no detached macspec server is running; a foreground server stops "
+                               "with Ctrl-C in its terminal, or `macspec stop --port N`"
+                               + daemon.listing(live))
+        if len(targets) > 1:
+            raise MacspecError("several macspec servers are running; choose one with --port or "
+                               "--name, or stop them all with --all" + daemon.listing(targets))
+    stale_now = 0
+    for record in targets:
+        why = daemon.stop_server(record)
+        if why:
+            stale_now += 1
+            click.echo(f"not stopped: the record of port {record['port']} is stale ({why}); "
+                       "removed it, signalled nothing", err=True)
+        else:
+            click.echo(f"stopped pid {record['pid']} (port {record['port']})")
+    if stale_now:
+        sys.exit(1)
+
+
+SHELLS = ("bash", "zsh", "fish")
+
+
+@main.group()
+def completions():
+    """Shell completion (commands, options, profile names) for bash, zsh and fish."""
+
+
+def completion_script(shell: str) -> str:
+    """The script click generates for `shell` (the same as `_MACSPEC_COMPLETE={shell}_source macspec`)."""
+    from click.shell_completion import get_completion_class
+
+    return get_completion_class(shell)(main, {}, "macspec", "_MACSPEC_COMPLETE").source()
+
+
+@completions.command("show")
+@click.argument("shell", type=click.Choice(SHELLS))
+def completions_show(shell):
+    """Print the completion script for SHELL."""
+    click.echo(completion_script(shell), nl=False)
+
+
+@completions.command("install")
+@click.argument("shell", type=click.Choice(SHELLS))
+def completions_install(shell):
+    """Write the completion script where SHELL looks for it (in your home directory)."""
+    import os
+    from pathlib import Path
+
+    home = Path.home()
+    if shell == "bash":
+        path = Path(os.environ.get("XDG_DATA_HOME") or home / ".local" / "share") \
+            / "bash-completion" / "completions" / "macspec"
+        note = ("bash-completion (2.x) loads it in new shells. Without bash-completion, add this "
+                f"line to ~/.bashrc:\n  source {path}")
+    elif shell == "zsh":
+        path = home / ".zfunc" / "_macspec"
+        try:
+            zshrc = (home / ".zshrc").read_text(errors="replace")
+        except OSError:
+            zshrc = ""
+        if ".zfunc" in zshrc:
+            note = "~/.zshrc already puts ~/.zfunc on fpath: start a new shell."
+        else:
+            note = ("add these lines to ~/.zshrc (above any other compinit), then start a new "
+                    "shell:\n  fpath=(~/.zfunc $fpath)\n  autoload -Uz compinit && compinit")
+    else:
+        path = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config") \
+            / "fish" / "completions" / "macspec.fish"
+        note = "fish loads it in new shells."
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(completion_script(shell))
+    click.echo(f"wrote the {shell} completion for macspec to {path}")
+    click.echo(note)
 
 
 @main.command()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -139,3 +140,75 @@ def test_profile_option_completes_profile_names():
     out = _completion({"_MACSPEC_COMPLETE": "bash_complete",
                        "COMP_WORDS": "macspec run x --profile ti", "COMP_CWORD": "4"})
     assert "plain,tiny" in out and "plain,tiny-mtp" in out and "kimi" not in out
+
+
+# ---- shell completion ------------------------------------------------------------------------
+@pytest.mark.parametrize("shell", ["bash", "zsh", "fish"])
+def test_completions_show_prints_the_generated_script(shell):
+    result = invoke("completions", "show", shell)
+    assert result.exit_code == 0
+    assert "_macspec_completion" in result.stdout
+    name = {"bash": "macspec.bash", "zsh": "_macspec", "fish": "macspec.fish"}[shell]
+    assert result.stdout == (ROOT / "completions" / name).read_text()  # the shipped file, too
+
+
+def test_completions_install_writes_where_each_shell_looks(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for var in ("XDG_DATA_HOME", "XDG_CONFIG_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    expected = {"bash": tmp_path / ".local/share/bash-completion/completions/macspec",
+                "zsh": tmp_path / ".zfunc/_macspec",
+                "fish": tmp_path / ".config/fish/completions/macspec.fish"}
+    for shell, path in expected.items():
+        result = invoke("completions", "install", shell)
+        assert result.exit_code == 0, result.output
+        assert f"to {path}" in result.stdout
+        assert path.read_text() == invoke("completions", "show", shell).stdout
+    zsh = invoke("completions", "install", "zsh").stdout
+    assert "fpath=(~/.zfunc $fpath)" in zsh and "compinit" in zsh
+    (tmp_path / ".zshrc").write_text("fpath=(~/.zfunc $fpath)\n")
+    assert "fpath=(" not in invoke("completions", "install", "zsh").stdout
+
+
+# ---- hints -----------------------------------------------------------------------------------
+DOUBLE_PERIOD = re.compile(r"(?<!\.)\.\.(?!\.)")
+
+
+def test_hub_fetch_error_says_hf_download_with_no_double_period(tmp_path):
+    profile = tmp_path / "p.toml"
+    profile.write_text("[model]\npath = 'nobody/no-such-model'\n[speculative]\nmethod = 'none'\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    result = subprocess.run([sys.executable, "-m", "macspec", "run", "x", "--profile", str(profile)],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 1
+    assert "(hf download nobody/no-such-model)" in result.stderr
+    assert "huggingface-cli" not in result.stderr
+    assert not DOUBLE_PERIOD.search(result.stderr), result.stderr
+
+
+def test_doctor_fix_says_hf_download():
+    result = CliRunner().invoke(main, ["doctor", "--profile", "kimi-tp2"])
+    assert "fix: hf download mlx-community/Kimi-K2.5" in result.output
+    assert "huggingface-cli" not in result.output
+
+
+@pytest.mark.parametrize("files, reason", [
+    ({}, "no config.json (the folder is empty)"),
+    ({"tokenizer.json": "{}"}, "no config.json"),
+    ({"config.json": "{not json"}, "config.json is not valid JSON"),
+    ({"config.json": '{"hidden_size": 8}'}, "config.json has no model_type"),
+    ({"config.json": '{"model_type": "llama"}'}, "no weights (model*.safetensors)"),
+])
+def test_doctor_explains_a_local_folder_that_is_not_a_model(tmp_path, files, reason):
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    profile = tmp_path / "p.toml"
+    profile.write_text(f"[model]\npath = '{folder}'\n[speculative]\nmethod = 'none'\n")
+    result = CliRunner().invoke(main, ["doctor", "--profile", str(profile), "--json"])
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    target = checks["target model"]
+    assert result.exit_code == 2 and target["status"] == "fail"
+    assert target["detail"].startswith(f"{folder} exists but is not a valid mlx-lm model: {reason}")
+    assert "not on this machine" not in result.stdout

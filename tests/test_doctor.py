@@ -155,4 +155,4 @@ def test_doctor_fails_a_profile_that_cannot_run_here():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "✗ target model: mlx-community/Kimi-K2.5 is not on this machine" in out.stdout
-    assert "fix: huggingface-cli download mlx-community/Kimi-K2.5" in out.stdout
+    assert "fix: hf download mlx-community/Kimi-K2.5" in out.stdout

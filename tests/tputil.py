@@ -25,13 +25,16 @@ class TPServer:
         self.url = self._wait_ready()
 
     def _wait_ready(self, timeout: float = 120.0) -> str:
-        record = self.home / "state" / "serve.json"
+        records = self.home / "state" / "servers"  # one <port>.json per running server
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited {self.proc.returncode}: {self.log.read_text()[-3000:]}")
-            if record.is_file():
-                data = json.loads(record.read_text())
+            for record in records.glob("*.json"):
+                try:
+                    data = json.loads(record.read_text())
+                except (OSError, ValueError):
+                    continue
                 if data.get("pid") == self.proc.pid:
                     return f"http://127.0.0.1:{data['port']}"
             time.sleep(0.2)

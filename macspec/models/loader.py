@@ -91,8 +91,8 @@ def _download(repo_id: str, revision: str | None) -> Path:
         return Path(mlx_download(repo_id, revision=revision))
     except Exception as err:  # huggingface_hub raises many types (offline, 404, auth)
         raise ModelLoadError(f"cannot fetch {repo_id!r} from Hugging Face: {type(err).__name__}: "
-                             f"{err}. Download it first (huggingface-cli download {repo_id}) or "
-                             "give a local path.") from None
+                             f"{str(err).rstrip().rstrip('.')}. Download it first (hf download "
+                             f"{repo_id}) or give a local path.") from None
 
 
 def compute_dtype(requested: str) -> mx.Dtype | None:

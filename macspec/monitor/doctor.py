@@ -150,14 +150,29 @@ class Doctor:
     def _model_check(self, role: str, ref: str) -> Path | None:
         from ..models.loader import find_local_model
 
+        local = Path(ref).expanduser()
+        if not ref.startswith("embedded:") and local.exists():
+            problem = invalid_model_reason(local)
+            if problem:
+                self.add(f"{role} model", FAIL, f"{local} exists but is not a valid mlx-lm model: "
+                         f"{problem}", "point the profile's model path at an mlx-lm model folder "
+                         "(config.json, tokenizer, model*.safetensors), e.g. one written by "
+                         "`hf download OWNER/NAME --local-dir DIR` or mlx_lm.convert")
+                return None
         path = find_local_model(ref)
         if path is None:
             self.add(f"{role} model", FAIL, f"{ref} is not on this machine",
-                     f"huggingface-cli download {ref}" if "/" in ref and not ref.startswith(("/", "."))
+                     f"hf download {ref}" if "/" in ref and not ref.startswith(("/", "."))
                      else f"check model path {ref!r} in {self.profile.source}")
             return None
+        problem = invalid_model_reason(path)
+        if problem:
+            self.add(f"{role} model", FAIL, f"{path} is not a valid mlx-lm model: {problem}",
+                     f"download it again: hf download {ref}" if "/" in ref and not
+                     ref.startswith(("/", ".", "embedded:")) else "restore the model's files")
+            return None
+        config = json.loads((path / "config.json").read_text())
         try:
-            config = json.loads((path / "config.json").read_text())
             from mlx_lm.utils import _get_classes
 
             _get_classes(config)
@@ -198,7 +213,7 @@ class Doctor:
 
         target = self.model_dirs.get("target")
         if target is None:
-            self.add("fits in memory", WARN, "cannot size the model: it is not on this machine")
+            self.add("fits in memory", WARN, "cannot size the target model: see the target model check")
             return
         config = self.model_configs["target"]
         tp = self.profile.parallel.tensor_parallel
@@ -425,6 +440,28 @@ class Doctor:
             return FAIL, f"{host}: " + "; ".join(diffs), \
                 "install the same macspec and MLX versions (and macOS build) on every Mac"
         return OK, f"{host}: reachable, macspec {facts['macspec']}, mlx {facts['mlx']}", None
+
+
+def invalid_model_reason(path: Path) -> str | None:
+    """Why the folder at `path` cannot load as an mlx-lm model (None: it looks loadable)."""
+    if not path.is_dir():
+        return "it is not a folder"
+    config_file = path / "config.json"
+    if not config_file.exists():
+        return "no config.json" + ("" if any(path.iterdir()) else " (the folder is empty)")
+    try:
+        config = json.loads(config_file.read_text())
+    except OSError as err:
+        return f"config.json is unreadable ({err.strerror or err})"
+    except ValueError as err:
+        return f"config.json is not valid JSON ({err})"
+    if not isinstance(config, dict):
+        return "config.json is not a JSON object"
+    if "model_type" not in config:
+        return "config.json has no model_type"
+    if not any(path.glob("model*.safetensors")):
+        return "no weights (model*.safetensors)"
+    return None
 
 
 def weight_names(model_dir: Path) -> list[str]:
