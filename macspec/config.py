@@ -142,6 +142,8 @@ class ParallelConfig:
     python: str = spec("python3", _string, "interpreter with macspec on remote hosts (ssh)")
     step_timeout_s: float = spec(60.0, _range(0.5, 3600), "a collective step slower than this "
                                  "fails the requests and stops the daemon")
+    join_timeout_s: float = spec(30.0, _range(1, 3600), "start-up: every rank must join the group "
+                                 "within this time, or start-up fails naming the missing one")
 
 
 @dataclass
@@ -159,6 +161,24 @@ class ServerConfig:
     max_queue: int = spec(64, _range(1, integer=True), "waiting requests before 429")
     api_key_env: str | None = spec(None, _optional(_string), "env var holding the Bearer key")
     max_body_kb: int = spec(1024, _range(1, integer=True), "largest accepted request body")
+    model_aliases: list[str] = spec(None, _string_list, "more names accepted as `model` (and "
+                                    "listed by /v1/models), e.g. [\"gpt-4o\"]; \"default\" "
+                                    "is always accepted", factory=list)
+    accept_any_model: bool = spec(False, _bool, "accept any `model` name and serve this "
+                                  "profile's model (the response names the served model)")
+    allowed_hosts: list[str] = spec(None, _string_list, "Host header names accepted besides "
+                                    "localhost, 127.0.0.1, [::1] and the bind address (checked "
+                                    "only when bound to loopback; guards against DNS rebinding)",
+                                    factory=list)
+    max_connections: int | None = spec(None, _optional(_range(1, integer=True)),
+                                       "open client connections; over it the oldest idle one is "
+                                       "closed, or the new one gets 503 (default: the open-file "
+                                       "limit less a reserve)")
+    idle_timeout_s: float = spec(30.0, _range(0.05, 86400), "a connection without a complete "
+                                 "request header for this long (idle keep-alive, slow sender) "
+                                 "is closed")
+    body_timeout_s: float = spec(60.0, _range(0.05, 86400), "a request body not received within "
+                                 "this long gets 408")
 
 
 SECTIONS: dict[str, type] = {

@@ -27,6 +27,8 @@ def client(server):
 
 def post(server, path, body=None, data=None, key=KEY, **kw):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if data is not None:  # raw bytes: still declared as JSON (anything else is a 415)
+        headers["Content-Type"] = "application/json"
     return requests.post(server.url + path, json=body, data=data, headers=headers, timeout=60, **kw)
 
 

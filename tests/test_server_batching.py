@@ -63,7 +63,7 @@ def _send_then_drop(port: int, stream: bool, chunks: int = 0, wait_s: float = 0.
                        "ignore_eos": True, "temperature": 0,
                        "speculative": {"method": "none"}}).encode()
     sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     received = b""
     while received.count(b"data: ") < chunks:

@@ -11,7 +11,7 @@ from ..errors import RequestError
 from .jobs import Job, JobResult
 from .openai_api import chat_messages, message_text
 from .schema import build_job, get_bool, get_int, get_stop, parse_json_body, reject_unsupported
-from .state import STATE, ServerState
+from .state import STATE, USAGE, ServerState
 
 UNSUPPORTED = {"tools": [], "tool_choice": None, "thinking": None}
 
@@ -43,6 +43,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     spec = build_job(body, prompt, max_tokens, get_stop(body, "stop_sequences"), state.profile,
                      temperature_max=1.0)
     job = Job(state.engine, state.tokenizer, spec, lambda: request.transport is None or request.transport.is_closing())
+    request[USAGE] = job.usage
     await job.start()
     ident = "msg_" + uuid.uuid4().hex[:24]
     if not stream:

@@ -106,6 +106,9 @@ class Job:
         self.spec = spec
         self.text = TextAssembler(tokenizer, spec.stop)
         self.result = JobResult()
+        # What the access log reports; filled in as the generation goes (see app.access_log).
+        self.usage = {"prompt_tokens": len(spec.prompt), "completion_tokens": 0, "method": None,
+                      "acceptance": None}
         self.is_disconnected = is_disconnected
         self.queue: asyncio.Queue = asyncio.Queue()
         self.done = False
@@ -134,6 +137,7 @@ class Job:
                 event = await self._next()
                 if isinstance(event, Tokens):
                     self.result.completion_tokens += len(event.ids)
+                    self.usage["completion_tokens"] = self.result.completion_tokens
                     piece = self.text.add(event.ids)
                     if piece:
                         yield piece
@@ -142,6 +146,8 @@ class Job:
                 elif isinstance(event, Finished):
                     self.done = True
                     self.result.stats = event.stats
+                    self.usage.update(method=event.stats.get("method"),
+                                      acceptance=event.stats.get("acceptance_rate"))
                     self.result.finish_reason = event.reason
                     piece = self.text.flush()
                     if piece:

@@ -45,6 +45,11 @@ class EngineCollector:
         for state in ("on", "held", "off", "probing"):
             states.add_metric([state], status["rows"]["states"].get(state, 0))
         yield states
+        faults = CounterMetricFamily("macspec_speculation_faults", "Speculation bookkeeping faults "
+                                     "(the row decoded plainly for that step)", labels=["source"])
+        for source, count in status["speculation_faults"]["by_source"].items():
+            faults.add_metric([source], count)
+        yield faults
         memory = GaugeMetricFamily("macspec_memory_bytes", "Memory in use", labels=["kind"])
         for kind, value in status["memory"].items():
             memory.add_metric([kind.removesuffix("_bytes")], value)

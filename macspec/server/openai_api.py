@@ -11,7 +11,7 @@ from aiohttp import web
 from ..errors import RequestError
 from .jobs import Job, JobResult
 from .schema import (build_job, get_bool, get_int, get_stop, parse_json_body, reject_unsupported)
-from .state import STATE, ServerState
+from .state import STATE, USAGE, ServerState
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": 0, "presence_penalty": 0,
@@ -102,6 +102,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def _respond(request, state: ServerState, spec, stream: bool, include_usage: bool, chat: bool):
     job = Job(state.engine, state.tokenizer, spec, lambda: _gone(request))
+    request[USAGE] = job.usage
     await job.start()
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())

@@ -17,8 +17,10 @@ from .jobs import ClientGone, Job
 logger = logging.getLogger(__name__)
 
 ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                         403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                         403: "permission_error", 404: "not_found_error", 408: "timeout_error",
+                         413: "request_too_large", 415: "invalid_request_error",
                          429: "rate_limit_error", 503: "overloaded_error"}
+DEFAULT_MODEL = "default"  # always accepted as `model`: whatever this server serves
 
 
 def error_body(status: int, message: str, error_type: str, param: str | None, anthropic: bool) -> dict:
@@ -36,21 +38,24 @@ class ServerState:
         self.runtime = engine.runtime
         self.tokenizer = engine.runtime.tokenizer
         self.started = time.time()
-        self.model_id = profile.model.path
-        names = [profile.model.path, profile.name]
-        if Path(profile.model.path.split(":")[-1]).name not in names:
-            names.append(Path(profile.model.path.split(":")[-1]).name)
-        self.model_names = names
+        self.model_id = profile.model.path  # what responses name as `model`, whatever was asked
+        names = [profile.model.path, profile.name, Path(profile.model.path.split(":")[-1]).name,
+                 *profile.server.model_aliases]
+        self.model_names = list(dict.fromkeys(names))  # listed by /v1/models, in this order
+        self.accept_any_model = profile.server.accept_any_model
         self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
+        self.stopping = False  # set at shutdown: /health answers 503 until the port closes
 
     def check_model(self, model) -> None:
         if model is None:
             return  # a missing model means the one we serve
         if not isinstance(model, str):
             raise RequestError("'model' must be a string", "model")
+        if model == DEFAULT_MODEL or self.accept_any_model:
+            return
         if model not in self.model_names:
             raise NotFoundError(f"model {model[:200]!r} is not served here; available: "
-                                f"{', '.join(self.model_names)}", "model")
+                                f"{', '.join([*self.model_names, DEFAULT_MODEL])}", "model")
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         if self.has_chat_template:
@@ -94,5 +99,15 @@ class ServerState:
             pass
 
 
+def _request_key(name: str, kind: type):
+    make = getattr(web, "RequestKey", None)  # aiohttp >= 3.13; a plain string before
+    return make(name, kind) if make else name
+
+
 STATE = web.AppKey("state", ServerState)
+# Per request: the id in the access log (and the X-Request-Id header), and what a route handler
+# reports for the access log: {"prompt_tokens": int, "completion_tokens": int, "method": str,
+# "acceptance": float | None}.
+REQUEST_ID = _request_key("macspec_request_id", str)
+USAGE = _request_key("macspec_usage", dict)
 STARTED = web.AppKey("started", float)  # event-loop time at startup, for uptime
