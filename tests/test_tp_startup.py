@@ -178,8 +178,8 @@ def test_tp_logs_are_kept_in_the_state_dir_and_bounded(tmp_path):
 def test_jaccl_off_macos_says_what_to_do(tmp_path):
     if sys.platform == "darwin":
         pytest.skip("JACCL is the real backend on macOS")
-    from macspec.config import load_profile
-    from macspec.distributed.bootstrap import BootstrapError, group_spec
-
-    with pytest.raises(BootstrapError, match=r'macOS 26.2.*parallel.backend = "ring"'):
-        group_spec(load_profile("kimi-tp2").parallel)
+    proc = subprocess.run([sys.executable, "-m", "macspec", "run", "hi", "--profile", "kimi-tp2"],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "MACSPEC_HOME": str(tmp_path / "home")})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert 'macOS 26.2' in proc.stderr and 'parallel.backend = "ring"' in proc.stderr, proc.stderr

@@ -70,16 +70,20 @@ def group_spec(par: ParallelConfig) -> dict:
             addresses = [f"{socket.gethostbyname(h)}:{par.port + r}" for r, h in enumerate(hosts)]
         return {"backend": "ring", "world": world, "hostfile": [[a] for a in addresses]}
     if par.backend == "jaccl":
-        if sys.platform != "darwin":
-            raise BootstrapError(f"parallel.backend = 'jaccl' (RDMA over Thunderbolt 5) needs macOS 26.2 "
-                                 f"or later; this is {sys.platform}. To try the profile here, set "
-                                 "parallel.backend = \"ring\" (TCP) in a copy of it")
         if not par.ibv_devices or not par.coordinator:
             raise BootstrapError("parallel.backend = 'jaccl' needs parallel.ibv_devices and "
                                  "parallel.coordinator in the profile (see `macspec doctor --peers`)")
         return {"backend": "jaccl", "world": world, "devices": par.ibv_devices,
                 "coordinator": par.coordinator}
     raise BootstrapError(f"parallel.backend = {par.backend!r} cannot form a group of {world}")
+
+
+def check_backend_here(par: ParallelConfig) -> None:
+    """Before anything starts: JACCL exists only on macOS (MLX builds it there alone)."""
+    if par.backend == "jaccl" and sys.platform != "darwin":
+        raise BootstrapError(f"parallel.backend = 'jaccl' (RDMA over Thunderbolt 5) needs macOS 26.2 "
+                             f"or later; this is {sys.platform}. To try the profile here, set "
+                             "parallel.backend = \"ring\" (TCP) in a copy of it")
 
 
 def share_cores(spec: dict, rank: int) -> None:

@@ -9,7 +9,7 @@ import mlx.core as mx
 
 from ..config import Profile
 from ..progress import phase
-from .bootstrap import Peers, group_spec, join_with_peers
+from .bootstrap import Peers, check_backend_here, group_spec, join_with_peers
 from .channel import PlanChannel
 from .handshake import PeerLeftError, handshake, identity
 from .plan import encode_op
@@ -27,6 +27,7 @@ class TPContext:
 
     @classmethod
     def open(cls, profile: Profile) -> "TPContext":
+        check_backend_here(profile.parallel)
         spec = group_spec(profile.parallel)
         peers = Peers.launch(profile, spec)
         try:
