@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten
 from macspec.config import load_profile
 from macspec.engine.generator import Generator
 from macspec.engine.runtime import Runtime
-from macspec.engine.sampling import SamplingParams
+from macspec.sampling import SamplingParams
 from macspec.forge import corpus
 from macspec.forge.widen import widen_mtp_head, widen_target
 from macspec.models.loader import LoadedModel, load_model, load_mtp_head

@@ -11,9 +11,8 @@ import click
 
 from .blas import blas_info
 from .config import Profile
-from .engine.generator import Generator
-from .engine.runtime import Runtime
-from .engine.sampling import SamplingParams
+from .engine.launch import build_engine
+from .sampling import SamplingParams
 from .models.detokenizer import IncrementalDecoder
 from . import progress
 from .progress import phase
@@ -73,48 +72,25 @@ def stats_line(stats: dict, blas: str) -> str:
 
 
 def run_once(profile: Profile, prompt: str, opts: RunOptions) -> dict:
+    """One prompt through the engine that `serve` uses (batch of one; under tensor
+    parallelism this process is rank 0 and drives its peers)."""
     apply_flags(profile, opts)
     params = SamplingParams.from_config(profile.sampling)
-    if profile.parallel.tensor_parallel > 1:  # rank 0 of a group: the engine drives the peers
-        from .engine.launch import start_engine
+    engine = build_engine(profile, max_batch=1)
+    try:
+        if profile.speculative.adaptive and profile.speculative.method != "none":
+            with phase("calibrating the target's step cost"):
+                engine.calibrate()
 
-        engine = start_engine(profile, max_batch=1)
-        try:
-            return _stream(profile, engine.runtime, prompt, opts,
-                           lambda tokens, holder: engine_steps(engine, tokens, params, holder))
-        finally:
-            engine.stop()
-    runtime = Runtime.load(profile)
-    generator = Generator(runtime, params, profile.sampling.max_tokens)
+        def steps(tokens, holder):
+            return engine.stream(tokens, params, profile.sampling.max_tokens, holder)
 
-    def steps(tokens, holder):
-        yield from generator.generate(tokens)
-        holder.update(generator.stats.as_dict())
-
-    return _stream(profile, runtime, prompt, opts, steps)
+        return _stream(profile, engine.runtime, prompt, opts, steps)
+    finally:
+        engine.close()
 
 
-def engine_steps(engine, tokens: list[int], params: SamplingParams, holder: dict):
-    """Token lists from the serving engine for one request; its stats land in `holder`."""
-    import queue
-
-    from .engine.request import Failed, Finished, GenerationRequest, Tokens
-
-    events: queue.Queue = queue.Queue()
-    engine.submit(GenerationRequest(tokens, params, engine.runtime.profile.sampling.max_tokens,
-                                    events.put))
-    while True:
-        event = events.get()
-        if isinstance(event, Tokens):
-            yield event.ids
-        elif isinstance(event, Finished):
-            holder.update(event.stats)
-            return
-        elif isinstance(event, Failed):
-            raise event.error
-
-
-def _stream(profile: Profile, runtime: Runtime, prompt: str, opts: RunOptions, steps) -> dict:
+def _stream(profile: Profile, runtime, prompt: str, opts: RunOptions, steps) -> dict:
     tokens = encode_prompt(runtime.tokenizer, prompt, profile.model.chat)
     text = IncrementalDecoder(runtime.tokenizer)
     stats: dict = {}

@@ -9,7 +9,7 @@ import pytest
 from macspec.config import load_profile
 from macspec.engine.generator import Generator
 from macspec.engine.runtime import Runtime
-from macspec.engine.sampling import SamplingParams
+from macspec.sampling import SamplingParams
 from macspec.forge import corpus
 
 METHOD_PROFILES = {"draft": "tiny", "mtp": "tiny-mtp", "ngram": "tiny-ngram", "none": "tiny"}

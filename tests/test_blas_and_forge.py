@@ -11,7 +11,7 @@ import pytest
 from mlx_lm import load as mlx_load
 
 from macspec.engine.runtime import Runtime
-from macspec.engine.sampling import SamplingParams
+from macspec.sampling import SamplingParams
 from macspec.config import load_profile
 from macspec.forge.build import RECIPES, forge
 

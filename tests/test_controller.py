@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from macspec.config import load_profile
 from macspec.engine.runtime import Runtime
-from macspec.engine.sampling import SamplingParams
+from macspec.sampling import SamplingParams
 from macspec.models.loader import load_model, resolve_path
 from macspec.spec.controller import ControllerConfig, KController
 

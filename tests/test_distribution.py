@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from macspec.config import Profile
 from macspec.engine.runtime import Runtime
-from macspec.engine.sampling import SamplingParams, processed_logprobs
+from macspec.sampling import SamplingParams, processed_logprobs
 from macspec.models.loader import load_model, load_mtp_head
 
 from .conftest import generate

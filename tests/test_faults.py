@@ -15,7 +15,7 @@ import requests
 from macspec.engine import faults
 from macspec.engine.engine import Engine
 from macspec.engine.request import Failed, Finished, GenerationRequest
-from macspec.engine.sampling import SamplingParams
+from macspec.sampling import SamplingParams
 from macspec.spec.planner import BatchPlanner, ForwardCostModel, RowController
 
 from .serverutil import RunningServer, runtime_with

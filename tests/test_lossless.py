@@ -7,7 +7,7 @@ from mlx_lm.generate import generate_step
 
 import mlx.core as mx
 
-from macspec.engine.sampling import SamplingParams
+from macspec.sampling import SamplingParams
 
 from .conftest import generate
 

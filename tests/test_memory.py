@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-from macspec.engine.batch_cache import BatchKV
-from macspec.engine.cache import make_trimmable_cache
+from macspec.kv.batched import BatchKV
+from macspec.kv.cache import make_trimmable_cache
 from macspec.monitor.memory import KVBudget, kv_bytes_per_token, weight_sizes
 
 from .serverutil import RunningServer, runtime_with

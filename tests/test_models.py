@@ -10,9 +10,9 @@ from mlx_lm import load as mlx_load
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
 from macspec.config import Profile
-from macspec.engine.cache import make_trimmable_cache
+from macspec.kv.cache import make_trimmable_cache
 from macspec.engine.runtime import Runtime
-from macspec.engine.sampling import SamplingParams
+from macspec.sampling import SamplingParams
 from macspec.errors import IncompatibleDraftError, ModelLoadError, UnsupportedModelError
 from macspec.models.compat import check_draft_compatible
 from macspec.models.loader import load_model, load_mtp_head, resolve_path
@@ -174,7 +174,7 @@ def test_dir_without_config_is_rejected(tmp_path):
 
 def test_widened_stand_in_preserves_logits_and_mtp():
     from macspec.forge.widen import widen_mtp_head, widen_target
-    from macspec.models.target import TargetView
+    from macspec.models.view import ModelView
 
     target = load_model("embedded:tiny-target")
     head = load_mtp_head(target)
@@ -184,10 +184,10 @@ def test_widened_stand_in_preserves_logits_and_mtp():
     assert wide_cfg["num_attention_heads"] == 2 * cfg["num_attention_heads"]
     assert wide_cfg["intermediate_size"] == 2 * cfg["intermediate_size"]
     tokens = mx.array([[5, 17, 300, 42, 7, 99, 100, 3]])
-    small_logits, small_h = TargetView(target.model).forward(tokens)
-    wide_logits, wide_h = TargetView(wide).forward(tokens)
+    small_logits, small_h = ModelView(target.model).forward(tokens)
+    wide_logits, wide_h = ModelView(wide).forward(tokens)
     assert mx.allclose(small_logits, wide_logits, atol=1e-3).item()
     wide_head = widen_mtp_head(head, wide, target.config, wide_cfg)
-    small_mtp, _ = head(tokens[:, 1:], small_h[:, :-1], TargetView(target.model))
-    wide_mtp, _ = wide_head(tokens[:, 1:], wide_h[:, :-1], TargetView(wide))
+    small_mtp, _ = head(tokens[:, 1:], small_h[:, :-1], ModelView(target.model))
+    wide_mtp, _ = wide_head(tokens[:, 1:], wide_h[:, :-1], ModelView(wide))
     assert mx.allclose(small_mtp, wide_mtp, atol=1e-3).item()

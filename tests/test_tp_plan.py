@@ -12,12 +12,12 @@ from macspec.config import load_profile
 from macspec.distributed.bootstrap import BootstrapError, group_spec, ssh_command
 from macspec.distributed.plan import (BY_NAME, OPS, PlanError, decode_header, decode_ops,
                                       encode_op, encode_plan)
-from macspec.engine.target_state import TargetState
+from macspec.runner import TargetRunner
 
 
 def test_every_op_is_a_target_state_method():
     for op in OPS:
-        assert callable(getattr(TargetState, op.name)), op.name
+        assert callable(getattr(TargetRunner, op.name)), op.name
 
 
 def test_plan_round_trip():

@@ -69,8 +69,8 @@ class PlanChannel:
         return _all_sum(values, self.group)
 
 
-class MirroredTarget:
-    """Rank 0's handle on its TargetState: every op is recorded for the workers, then applied
+class MirroredRunner:
+    """Rank 0's handle on its TargetRunner: every op is recorded for the workers, then applied
     here. Cheap ops wait in `pending` and ride with the next forward op's plan."""
 
     def __init__(self, state, channel: PlanChannel, watchdog=None):

@@ -24,7 +24,7 @@ class PlanError(MacspecError):
 @dataclass(frozen=True)
 class Op:
     code: int
-    name: str  # the TargetState method every rank calls
+    name: str  # the TargetRunner method every rank calls
     scalars: int  # leading int arguments
     has_list: bool  # one trailing list[int] argument
     forward: bool  # runs the model: every rank's collectives take part

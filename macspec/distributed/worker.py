@@ -13,9 +13,9 @@ import threading
 import time
 
 from ..config import load_profile
-from ..engine.target_state import TargetState
+from ..runner import TargetRunner
 from ..models.loader import load_model
-from ..models.target import TargetView
+from ..models.view import ModelView
 from .bootstrap import GROUP_ENV, BootstrapError, join_group, joining_marker
 from .channel import PlanChannel
 from .handshake import handshake, identity
@@ -37,11 +37,11 @@ def worker_main(profile_ref: str, rank: int) -> None:
     m = profile.model
     target = load_model(m.path, m.dtype, m.revision, m.trust_remote_code, group=group)
     logger.info("rank %d: shard of %s loaded", rank, target.path)
-    serve_plans(TargetState(TargetView(target.model)), PlanChannel(group),
+    serve_plans(TargetRunner(ModelView(target.model)), PlanChannel(group),
                 profile.parallel.step_timeout_s + IDLE_GRACE_S)
 
 
-def serve_plans(state: TargetState, channel: PlanChannel, idle_limit_s: float) -> None:
+def serve_plans(state: TargetRunner, channel: PlanChannel, idle_limit_s: float) -> None:
     last_plan = [None]  # monotonic time of the last plan; None until the first one
     threading.Thread(target=_exit_when_orphaned, args=(last_plan, idle_limit_s),
                      name="macspec-tp-idle", daemon=True).start()

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import MacspecError
-from .sampling import SamplingParams
+from ..sampling import SamplingParams
 
 _ids = itertools.count(1)
 

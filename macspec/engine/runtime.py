@@ -10,7 +10,7 @@ from ..errors import IncompatibleDraftError, MacspecError, RequestError
 from ..models.compat import check_draft_compatible
 from ..models.loader import LoadedModel, load_model, load_mtp_head
 from ..models.mtp import MTPHead
-from ..models.target import TargetView
+from ..models.view import ModelView
 from ..monitor.memory import apply_wired_limit
 from ..progress import phase
 from ..spec.base import Proposer
@@ -33,8 +33,8 @@ class Runtime:
     unavailable: dict[str, str] = field(default_factory=dict)  # method -> why it cannot load
 
     @property
-    def view(self) -> TargetView:
-        return TargetView(self.target.model)
+    def view(self) -> ModelView:
+        return ModelView(self.target.model)
 
     @property
     def tokenizer(self):
@@ -77,7 +77,7 @@ class Runtime:
                                 group=tp.group if tp else None)
             if tp is not None:  # the workers run this check with us, inside their plan loop
                 tp.send_op("check_hidden")
-                target.hidden_is_final = TargetView(target.model).hidden_is_final()
+                target.hidden_is_final = ModelView(target.model).hidden_is_final()
         method = profile.speculative.method
         runtime = cls(profile, target, method)
         if method == "draft":

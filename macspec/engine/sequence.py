@@ -7,11 +7,57 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..sampling import Rng
 from ..spec.base import Proposer
-from ..spec.planner import RowController
-from .generator import GenerationStats, take_until_finish
+from ..spec.controller import RowController
+from ..spec.stats import SpecStats
 from .request import Event, Failed, Finished, GenerationRequest, Tokens, emit_safely
-from .sampling import Rng
+
+
+@dataclass
+class GenerationStats:
+    method: str
+    k_max: int
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    finish_reason: str | None = None
+    spec: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return (self.generated_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "method": self.method,
+            "k_max": self.k_max,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "finish_reason": self.finish_reason,
+            "ttft_s": round(self.ttft_s, 5),
+            "decode_s": round(self.decode_s, 5),
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+            "acceptance_rate": round(self.spec.acceptance_rate, 4),
+            "tokens_per_forward": round(self.spec.tokens_per_forward, 4),
+            "spec": self.spec.as_dict(),
+        }
+
+
+def take_until_finish(stats: GenerationStats, new: list[int], eos: set[int], max_tokens: int) -> list[int]:
+    """Tokens to emit from `new`, setting stats.finish_reason on EOS or max_tokens."""
+    out = []
+    for token in new:
+        if token in eos:
+            stats.finish_reason = "stop"
+            break
+        out.append(token)
+        stats.generated_tokens += 1
+        if stats.generated_tokens >= max_tokens:
+            stats.finish_reason = "length"
+            break
+    return out
 
 
 @dataclass

@@ -7,14 +7,14 @@ import mlx.nn as nn
 import numpy as np
 
 from ..models.mtp import MTPHead
-from ..models.target import TargetView
+from ..models.view import ModelView
 
 
 def evaluate_family(target: nn.Module, draft: nn.Module, head: MTPHead, tokens: np.ndarray,
                     seq_len: int = 256, max_windows: int = 32) -> dict:
     """Perplexities, draft/target top-1 agreement (~ greedy acceptance at k = 1) and the MTP
     head's top-1 accuracy at t+2 (against the data and against the target's own greedy choice)."""
-    view = TargetView(target)
+    view = ModelView(target)
     n = min(max_windows, (len(tokens) - 1) // seq_len)
     sums = dict(target_nll=0.0, draft_nll=0.0, agree=0.0, mtp_data=0.0, mtp_target=0.0)
     for i in range(n):

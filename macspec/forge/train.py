@@ -14,7 +14,7 @@ import numpy as np
 from mlx_lm.models import llama
 
 from ..models.mtp import MTPHead, make_block_like
-from ..models.target import TargetView
+from ..models.view import ModelView
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def make_mtp_head(target: nn.Module) -> MTPHead:
 
 def train_mtp(head: MTPHead, target: nn.Module, tokens: np.ndarray, sched: TrainSchedule,
               seed: int) -> float:
-    view = TargetView(target)
+    view = ModelView(target)
 
     def loss_fn(batch, hidden, teacher):
         # Position t: hidden h_t and token t+1 -> predicts t+2, taught by the target at t+1.

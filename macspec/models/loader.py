@@ -15,7 +15,7 @@ import mlx.nn as nn
 
 from ..errors import ModelLoadError, UnsupportedModelError
 from .mtp import MTPHead, make_block_like
-from .target import TargetView
+from .view import ModelView
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ def load_mtp_head(target: LoadedModel) -> MTPHead:
             f"{path}: the config has no MTP layer (num_nextn_predict_layers is 0 or missing); "
             "use --method draft or ngram")
     if target.hidden_is_final is None:  # under TP every rank checked it together at start
-        target.hidden_is_final = TargetView(target.model).hidden_is_final()
+        target.hidden_is_final = ModelView(target.model).hidden_is_final()
     if not target.hidden_is_final:
         raise UnsupportedModelError(f"{path}: this architecture transforms the hidden state "
                                     "after the final norm; MTP needs it exactly")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ..engine.engine import Engine
 from ..engine.request import Failed, Finished, GenerationRequest, Tokens
-from ..engine.sampling import SamplingParams
+from ..sampling import SamplingParams
 from ..errors import EngineUnavailableError, MacspecError
 from ..models.detokenizer import IncrementalDecoder
 

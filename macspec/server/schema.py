@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from ..engine.runtime import METHODS
-from ..engine.sampling import SamplingParams
+from ..sampling import SamplingParams
 from ..errors import RequestError
 from .jobs import JobSpec
 

@@ -9,7 +9,7 @@ import mlx.core as mx
 
 from typing import Callable
 
-from ..engine.sampling import (Rng, SamplingParams, history_row, processed_logits,
+from ..sampling import (Rng, SamplingParams, history_row, processed_logits,
                                processed_logprobs)
 
 
@@ -39,12 +39,6 @@ class Proposer(ABC):
         positions just before each of the n tokens that step committed."""
 
 
-def first_divergence(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def decode_chain(logits: mx.array, k: int, committed: list[int], params: SamplingParams,

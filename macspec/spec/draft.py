@@ -5,8 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..engine.cache import eval_cache, make_trimmable_cache, trim
-from .base import Proposal, Proposer, decode_chain, first_divergence
+from ..kv.cache import eval_cache, make_trimmable_cache, trim
+from ..kv.cache import first_divergence
+from .base import Proposal, Proposer, decode_chain
 
 
 class DraftProposer(Proposer):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..engine.cache import make_trimmable_cache, trim
+from ..kv.cache import make_trimmable_cache, trim
 from ..models.mtp import MTPHead
-from ..models.target import TargetView
+from ..models.view import ModelView
 from .base import Proposal, Proposer, decode_chain
 
 MAX_PENDING_ROWS = 2048  # hidden rows buffered while speculation is off
@@ -21,7 +21,7 @@ class MTPProposer(Proposer):
     name = "mtp"
     needs_hidden = True
 
-    def __init__(self, head: MTPHead, target: TargetView):
+    def __init__(self, head: MTPHead, target: ModelView):
         self.head = head
         self.target = target
         self.cache: list = []

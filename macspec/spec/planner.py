@@ -7,19 +7,17 @@ token, and a per-row overhead (acceptance, bookkeeping). The plan maximises the 
 expected committed tokens per second, sum_i E_i(k_i) / cost. Verifying B·(k+1) positions grows
 with B, so k falls as the batch fills, to 0 when it no longer pays; no batch-size rule.
 
-A row whose acceptance makes speculation a loss even alone is "off" and probed after P of its
-steps, P doubling while probes fail (as the single-stream KController does).
+Rows whose acceptance makes speculation a loss even alone are "off" (controller.py).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from .controller import ALPHA_PRIOR, PROBE_STEPS, _fmt, expected_tokens, observe_acceptance
+from .controller import RowController, expected_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -76,80 +74,6 @@ def _nonnegative_solve(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
         if not active:
             break
     return coef
-
-
-@dataclass
-class RowController:
-    """One request's acceptance estimate and on/off/probe state."""
-
-    k_max: int
-    adaptive: bool = True
-    method: str = "none"
-    probe_min_steps: int = 64
-    probe_max_steps: int = 4096
-    alphas: list[float] = field(default_factory=list)
-    is_off: bool = False
-    probe_interval: int = 0
-    steps_until_probe: int = 0
-    probe_left: int = 0
-    num_turned_off: int = 0
-    num_probes: int = 0
-    last_k: int = 0
-
-    def __post_init__(self):
-        self.alphas = [ALPHA_PRIOR] * self.k_max
-        self.probe_interval = self.probe_min_steps
-
-    @property
-    def state(self) -> str:
-        if self.k_max == 0:
-            return "plain"
-        if self.probe_left:
-            return "probing"
-        if self.is_off:
-            return "off"
-        return "on" if self.last_k > 0 or not self.adaptive else "held"
-
-    def forced_k(self) -> int | None:
-        """k fixed regardless of the plan (fixed-k requests, probes, off rows), else None."""
-        if not self.adaptive or self.k_max == 0:
-            return self.k_max
-        if self.probe_left:
-            return min(self.k_max, 2)
-        if self.is_off:
-            self.steps_until_probe -= 1
-            if self.steps_until_probe > 0:
-                return 0
-            self.num_probes += 1
-            self.probe_left = PROBE_STEPS
-            return min(self.k_max, 2)
-        return None
-
-    def observe(self, k: int, accepted: int, pays_alone: bool) -> None:
-        """After a step: k drafted, `accepted` taken; `pays_alone` = speculation beats plain
-        for this row's acceptance even with the batch to itself."""
-        self.last_k = k
-        observe_acceptance(self.alphas, k, accepted)
-        if not self.adaptive or self.k_max == 0:
-            return
-        if self.probe_left:
-            self.probe_left -= 1
-            if self.probe_left == 0:
-                if pays_alone:
-                    self.is_off = False
-                    self.probe_interval = self.probe_min_steps
-                    logger.info("speculation back on for a request after a probe (alpha=%s)",
-                                _fmt(self.alphas))
-                else:
-                    self.probe_interval = min(self.probe_interval * 2, self.probe_max_steps)
-                    self.steps_until_probe = self.probe_interval
-            return
-        if not self.is_off and not pays_alone:  # also when the plan already gave it k = 0
-            self.is_off = True
-            self.num_turned_off += 1
-            self.steps_until_probe = self.probe_interval
-            logger.info("speculation off for a request: acceptance %s does not pay; probe in %d "
-                        "steps", _fmt(self.alphas), self.probe_interval)
 
 
 class BatchPlanner:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..engine.sampling import (Rng, SamplingParams, greedy_tokens, histories_for,
+from ..sampling import (Rng, SamplingParams, greedy_tokens, histories_for,
                                processed_logprobs)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 
 import mlx.core as mx
 
-from ..errors import RequestError
+from .errors import RequestError
 
 NEG_INF = float("-inf")
 

@@ -1,7 +1,7 @@
 """Which finished requests' KV to keep for prompts that start with the same tokens.
 
 This is the index only (tokens -> entry id, sizes, LRU order); the KV itself lives in each
-rank's TargetState under the entry id, so under tensor parallelism rank 0 decides what is kept
+rank's TargetRunner under the entry id, so under tensor parallelism rank 0 decides what is kept
 and evicted and every rank stores and drops the same entries.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 
-from ..spec.base import first_divergence
+from .cache import first_divergence
 
 MIN_REUSE = 4  # shorter shared prefixes are not worth a copy
 

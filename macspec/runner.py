@@ -11,15 +11,15 @@ import time
 
 import mlx.core as mx
 
-from ..models.target import TargetView
-from .batch_cache import BatchKV
-from .cache import make_trimmable_cache
+from .kv.batched import BatchKV
+from .kv.cache import make_trimmable_cache
+from .models.view import ModelView
 
 NO_ENTRY = -1  # "no prefix-cache entry" in ops
 
 
-class TargetState:
-    def __init__(self, view: TargetView):
+class TargetRunner:
+    def __init__(self, view: ModelView):
         self.view = view
         self.kv = BatchKV(len(view.model.layers))
         self.slots: dict[int, list] = {}  # request id -> single-row cache while prefilling
@@ -106,7 +106,7 @@ class TargetState:
         return times
 
     def idle(self, heartbeat_s: float) -> None:
-        """One process has no peers to keep alive (MirroredTarget sends heartbeats)."""
+        """One process has no peers to keep alive (MirroredRunner sends heartbeats)."""
 
     def heartbeat(self) -> None:
         """Nothing to do: the plan that carried it proved both sides alive."""
@@ -115,5 +115,5 @@ class TargetState:
         """Workers leave their loop after this op; rank 0 stops sending."""
 
     def check_hidden(self) -> bool:
-        """TargetView.hidden_is_final, as an op: under TP every rank runs the forward."""
+        """ModelView.hidden_is_final, as an op: under TP every rank runs the forward."""
         return self.view.hidden_is_final()

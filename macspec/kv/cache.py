@@ -49,3 +49,10 @@ def quantize_cache(cache: list, bits: int, group_size: int) -> list:
 
 def eval_cache(cache: list) -> None:
     mx.eval([c.state for c in cache])
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

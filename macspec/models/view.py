@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 
-class TargetView:
+class ModelView:
     def __init__(self, model: nn.Module):
         self.model = model
         self.inner = model.model

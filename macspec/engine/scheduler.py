@@ -1,0 +1,130 @@
+"""Which requests run: the waiting queue, admission (batch size, KV budget, prefix cache),
+prompt chunks for prefill, and the rows of the batched decode.
+
+Sequences move waiting -> prefilling -> running; `running[i]` is row i of the runner's batched
+KV. The scheduler talks to the runner only to open, promote and close slots and rows, so under
+tensor parallelism every such decision is one op in rank 0's plan.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from ..kv.prefix import PrefixCache
+from ..monitor.memory import KVBudget
+from ..runner import NO_ENTRY
+from .sequence import Sequence
+
+
+class Scheduler:
+    def __init__(self, runner, memory: KVBudget, prefix_cache: PrefixCache, max_batch: int,
+                 prefill_chunk: int):
+        self.runner = runner
+        self.memory = memory
+        self.prefix_cache = prefix_cache
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[Sequence] = deque()
+        self.prefilling: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def admit(self) -> None:
+        """Waiting requests start prefill, in order, while the batch and the KV budget allow."""
+        while self.waiting and len(self.prefilling) + len(self.running) < self.max_batch:
+            if not self._memory_for(self.waiting[0]):
+                return
+            seq = self.waiting.popleft()
+            self.memory.reserved += seq.kv_reserved
+            reused, entry = self.prefix_cache.lookup(seq.prompt)
+            self.runner.open_slot(seq.request.id, NO_ENTRY if entry is None else entry, reused)
+            seq.prefill_done = seq.reused_prefix = reused
+            self.prefilling.append(seq)
+
+    def _memory_for(self, seq: Sequence) -> bool:
+        """Room for `seq`'s KV? Under pressure, finished requests' prefixes go first, then MLX's
+        buffer cache; otherwise it waits (in order) for running requests to finish."""
+        while not self.memory.fits(seq.kv_reserved, self.prefix_cache.nbytes):
+            entry = self.prefix_cache.evict_oldest()
+            if entry is None:
+                self.memory.relieve_pressure()
+                if not seq.waited_for_memory:
+                    seq.waited_for_memory = True
+                    self.memory.waits += 1
+                return False
+            self.runner.drop_prefixes([entry])
+        return True
+
+    def next_prefill(self) -> tuple[Sequence, list[int]] | None:
+        """The prompt chunk to prefill next: one request at a time, so decoding never stalls
+        behind a long prompt for more than one chunk."""
+        if not self.prefilling:
+            return None
+        seq = self.prefilling[0]
+        return seq, seq.prompt[seq.prefill_done:seq.prefill_done + self.prefill_chunk]
+
+    def prefilled(self, seq: Sequence) -> None:
+        """Its prompt is in: a row of the batch, or (finished on its first token) closed with
+        its KV offered to the prefix cache."""
+        self.prefilling.remove(seq)
+        slot, length = seq.request.id, len(seq.prompt)
+        if seq.finished:
+            entry = self._store_prefix(seq.prompt, self.runner.slot_nbytes(slot, length))
+            self.runner.close_slot(slot, entry, length)
+            return
+        self.runner.slot_to_row(slot, length)
+        self.running.append(seq)
+
+    def remove_row(self, index: int, keep_prefix: bool) -> Sequence:
+        seq = self.running.pop(index)
+        entry, length = NO_ENTRY, 0
+        if keep_prefix:  # finished normally: its KV may serve a later prompt's prefix
+            length = self.runner.kv.lengths[index]
+            entry = self._store_prefix(seq.committed[:length], self.runner.row_nbytes(length))
+        self.runner.remove_row(index, entry, length)
+        return seq
+
+    def remove(self, request_id: int) -> list[Sequence]:
+        """Take a request out wherever it is (cancel); -> the sequences removed."""
+        removed = []
+        for seq in [s for s in self.waiting if s.request.id == request_id]:
+            self.waiting.remove(seq)
+            seq.kv_reserved = 0  # never admitted: it holds no budget
+            removed.append(seq)
+        for seq in [s for s in self.prefilling if s.request.id == request_id]:
+            self.prefilling.remove(seq)
+            self.runner.close_slot(request_id, NO_ENTRY, 0)
+            removed.append(seq)
+        for index in reversed([i for i, s in enumerate(self.running) if s.request.id == request_id]):
+            removed.append(self.remove_row(index, keep_prefix=False))
+        return removed
+
+    def drop_prefilling(self, seq: Sequence) -> None:
+        """A prefill failed: forget its slot; the batch rows are untouched."""
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
+        self.runner.close_slot(seq.request.id, NO_ENTRY, 0)
+
+    def clear_running(self) -> list[Sequence]:
+        """Everything admitted, removed at once (a failed decode step); the runner starts over."""
+        seqs = [*self.prefilling, *self.running]
+        self.prefilling.clear()
+        self.running.clear()
+        self.memory.reserved = 0
+        self.runner.reset()
+        return seqs
+
+    def _store_prefix(self, tokens: list[int], nbytes: int) -> int:
+        """Admit `tokens` to the prefix index -> the entry id to store under (or NO_ENTRY)."""
+        if not self.prefix_cache.max_bytes:
+            return NO_ENTRY
+        entry, dropped = self.prefix_cache.store(tokens, nbytes)
+        if dropped:
+            self.runner.drop_prefixes(dropped)
+        return NO_ENTRY if entry is None else entry

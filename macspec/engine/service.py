@@ -1,0 +1,161 @@
+"""The engine for `serve`: one thread owns it (all MLX work), fed through a small queue API.
+
+submit()/cancel()/status() may be called from any thread: they go through an inbox the engine
+thread drains between steps, so the engine itself stays single-threaded. A step that raises
+fails the requests it concerns, never leaves one waiting; under tensor parallelism it is fatal
+(the ranks may be out of lock-step) and the daemon exits for its supervisor.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+
+from ..errors import EngineUnavailableError, MacspecError, QueueFullError
+from ..progress import phase
+from .engine import Engine
+from .request import Accepted, Failed, GenerationRequest, emit_safely
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5
+HEARTBEAT_S = 1.0  # tensor parallelism: an idle rank 0 proves itself alive this often
+STATUS_WAIT_S = 5.0
+
+
+class EngineService:
+    def __init__(self, engine: Engine, max_queue: int | None = None):
+        self.engine = engine
+        self.runtime = engine.runtime
+        self.max_queue = max_queue or engine.runtime.profile.server.max_queue
+        self.degraded_reason: str | None = None
+        self._inbox: deque = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.started_at = time.time()
+
+    # ---- any thread ------------------------------------------------------------------------
+    def start(self, calibrate: bool = True) -> None:
+        if calibrate:
+            with phase("calibrating the target's step cost"):
+                self.engine.calibrate()
+        self._thread = threading.Thread(target=self._loop, name="macspec-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(2.0 if self.fatal_reason else timeout)
+        # A thread stuck in a collective cannot say goodbye: the peers are reaped instead.
+        self.engine.close(clean=not self._thread_alive())
+
+    @property
+    def fatal_reason(self) -> str | None:
+        return self.engine.fatal_reason
+
+    @property
+    def alive(self) -> bool:
+        return (self._thread_alive() and not self._stopping and self.engine.fatal_reason is None)
+
+    def _thread_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def fatal(self, reason: str) -> None:
+        self.engine.fatal(reason)
+        self._wake.set()
+
+    def submit(self, request: GenerationRequest) -> None:
+        if not self.alive:
+            raise EngineUnavailableError("the engine is not running")
+        with self._lock:
+            queued = len(self.engine.scheduler.waiting) + sum(1 for op, _ in self._inbox if op == "submit")
+            if queued >= self.max_queue:
+                self.engine.totals["rejected"] += 1
+                raise QueueFullError(f"the queue is full ({self.max_queue} waiting); retry later")
+            self._inbox.append(("submit", request))
+        self._wake.set()
+
+    def cancel(self, request_id: int, reason: str = "cancelled") -> None:
+        with self._lock:
+            self._inbox.append(("cancel", (request_id, reason)))
+        self._wake.set()
+
+    def status(self) -> dict:
+        """The engine's status, taken by the engine thread between steps."""
+        if self._thread_alive() and threading.current_thread() is not self._thread:
+            future: Future = Future()
+            with self._lock:
+                self._inbox.append(("status", future))
+            self._wake.set()
+            try:
+                body = future.result(STATUS_WAIT_S)
+            except FutureTimeout:  # stuck (a collective): read it as it is
+                body = self.engine.status()
+        else:
+            body = self.engine.status()
+        return {"state": "running" if self.alive else "stopped",
+                "degraded_reason": self.degraded_reason or self.engine.fatal_reason,
+                "max_queue": self.max_queue, **body}
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stopping and engine.fatal_reason is None:
+            try:
+                self._drain_inbox()
+                if not engine.has_work:
+                    engine.idle(HEARTBEAT_S)
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
+                engine.step()
+                self.degraded_reason = None
+            except Exception as exc:  # an engine bug must fail requests, never hang them
+                if engine.tp is not None:  # the ranks may no longer be in lock-step
+                    logger.error("tensor-parallel engine step failed", exc_info=exc)
+                    engine.fatal(self._explain_tp_failure(exc))
+                    break
+                logger.exception("engine step failed")
+                self.degraded_reason = f"last step failed: {exc!r}"
+                engine.fail_running(exc)
+        self._drain_inbox()
+        engine.fail_all(EngineUnavailableError(
+            f"tensor parallelism failed: {engine.fatal_reason}" if engine.fatal_reason
+            else "the server is shutting down"))
+
+    def _explain_tp_failure(self, exc: Exception) -> str:
+        """A lost link usually means a dead peer: name it (and its exit code) when one exits."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            exited = self.engine.tp.peers.first_exited()
+            if exited:
+                return f"{exited} ({exc})"
+            time.sleep(0.05)
+        return str(exc)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            with self._lock:
+                if not self._inbox:
+                    return
+                op, payload = self._inbox.popleft()
+            if op == "cancel":
+                self.engine.cancel(*payload)
+            elif op == "status":
+                try:
+                    payload.set_result(self.engine.status())
+                except Exception as exc:
+                    payload.set_exception(exc)
+            else:
+                try:
+                    self.engine.add_request(payload)
+                except MacspecError as err:
+                    emit_safely(payload, Failed(err))
+                    continue
+                emit_safely(payload, Accepted())
