@@ -371,7 +371,7 @@ def bench(profile, url, api_key, scenarios, sequential, concurrent, max_tokens, 
     """Benchmark a profile or server: report.md, report.json and report.png in --out."""
     from pathlib import Path
 
-    from .benchmark.bench import BenchOptions, run_bench
+    from .servebench.bench import BenchOptions, run_bench
 
     setup_logging(log_level)
     names = tuple(n.strip() for n in scenarios.split(",") if n.strip())

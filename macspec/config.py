@@ -118,8 +118,6 @@ class SamplingConfig:
 class KVConfig:
     max_context: int = spec(4096, _range(16, integer=True), "prompt + generation tokens")
     prefill_chunk: int = spec(512, _range(1, integer=True), "tokens per prefill forward")
-    kv_bits: int | None = spec(None, _optional(_choice((4, 8))), "quantize the KV cache")
-    kv_group_size: int = spec(64, _choice((32, 64, 128)), "KV quantization group size")
     prefix_cache_mb: int = spec(512, _range(0, integer=True),
                                 "serve: KV of finished requests kept for shared prompt prefixes")
     kv_budget_mb: int | None = spec(None, _optional(_range(1, integer=True)),
@@ -227,8 +225,19 @@ class Profile:
         return out
 
 
+# Keys that existed once: a profile that still has one is told why it is gone.
+REMOVED_KEYS = {
+    "kv.kv_bits": "quantized KV was removed: mlx-lm's MLA attention (Kimi K2.5, Moonlight, "
+                  "GLM-5) cannot use a quantized cache, and the batched cache keeps the model's dtype",
+    "kv.kv_group_size": "quantized KV was removed (see kv.kv_bits)",
+}
+
+
 def _set_checked(table, name: str, value: Any, where: str, file: str) -> None:
     known = {f.name: f for f in fields(table)}
+    if str(where) in REMOVED_KEYS:
+        raise ProfileError(f"{file}: {where} is no longer a profile key: {REMOVED_KEYS[str(where)]}; "
+                           "delete it")
     if name not in known:
         raise ProfileError(
             f"{file}: unknown key {where!s}; allowed keys: {', '.join(sorted(known))}"

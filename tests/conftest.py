@@ -7,7 +7,7 @@ import macspec  # noqa: F401  (loads the fast BLAS before mlx)
 import pytest
 
 from macspec.config import load_profile
-from macspec.engine.generator import Generator
+from macspec.engine.engine import Completion, Engine
 from macspec.engine.runtime import Runtime
 from macspec.sampling import SamplingParams
 from macspec.forge import corpus
@@ -37,13 +37,27 @@ def runtime_for():
     return tiny_runtime
 
 
+_ENGINES: dict[int, Engine] = {}
+
+
+def engine_for(runtime: Runtime) -> Engine:
+    """The engine `serve` uses, synchronous, one per runtime (its cost model calibrated)."""
+    if id(runtime) not in _ENGINES:
+        engine = Engine(runtime, max_batch=8)
+        engine.calibrate()
+        _ENGINES[id(runtime)] = engine
+    return _ENGINES[id(runtime)]
+
+
 def generate(runtime: Runtime, prompt: list[int], max_tokens: int, params: SamplingParams,
-             k: int | None = None, adaptive: bool = False,
-             stop_token_ids: tuple[int, ...] = ()) -> tuple[list[int], Generator]:
-    gen = Generator(runtime, params, max_tokens, num_draft=k, adaptive=adaptive,
-                    stop_token_ids=stop_token_ids)
-    tokens = [t for step in gen.generate(prompt) for t in step]
-    return tokens, gen
+             k: int | None = None, adaptive: bool = False, stop_token_ids: tuple[int, ...] = (),
+             method: str | None = None) -> tuple[list[int], Completion]:
+    """One request alone (batch of one) through the engine -> (tokens, its Completion)."""
+    [done] = engine_for(runtime).generate([prompt], params, max_tokens, num_draft=k, adaptive=adaptive,
+                                          stop_token_ids=tuple(stop_token_ids), method=method)
+    if done.error is not None:
+        raise done.error
+    return done.tokens, done
 
 
 def heldout_prompts(tokenizer, count: int = 24) -> list[list[int]]:

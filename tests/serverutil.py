@@ -7,14 +7,16 @@ import threading
 
 from macspec.config import load_profile
 from macspec.engine.engine import Engine
+from macspec.engine.service import EngineService
 from macspec.engine.runtime import Runtime
 from macspec.server.app import serve_forever
 
 
 class RunningServer:
-    def __init__(self, runtime: Runtime, api_key: str | None = None, **engine_args):
+    def __init__(self, runtime: Runtime, api_key: str | None = None, max_batch: int | None = None,
+                 max_queue: int | None = None):
         self.runtime = runtime
-        self.engine = Engine(runtime, **engine_args)
+        self.engine = EngineService(Engine(runtime, max_batch=max_batch), max_queue=max_queue)
         self.api_key = api_key
         self.port = None
         self._ready = threading.Event()

@@ -10,8 +10,8 @@ import sys
 import pytest
 import requests
 
-from macspec.benchmark.launch import free_port
-from macspec.benchmark.prompts import BUILTIN, load_prompts
+from macspec.servebench.launch import free_port
+from macspec.servebench.prompts import BUILTIN, load_prompts
 from macspec.errors import MacspecError
 
 from .serverutil import RunningServer, runtime_with

@@ -50,7 +50,7 @@ def write(tmp_path, text, name="bad.toml"):
      ["parallel.hosts has 3 entries", "expected 2"]),
     ("[parallel]\nibv_devices = [['', 'x']]\n", ["parallel.ibv_devices", "square"]),
     ("[speculative]\nngram_min = 5\nngram_max = 2\n", ["ngram_min = 5 exceeds"]),
-    ("[kv]\nkv_bits = 3\n", ["kv.kv_bits = 3", "one of 4, 8"]),
+    ("[kv]\nkv_bits = 8\n", ["kv.kv_bits is no longer a profile key", "MLA", "delete it"]),
 ])
 def test_profile_errors_name_file_key_and_value(tmp_path, text, fragments):
     path = write(tmp_path, text)

@@ -14,7 +14,7 @@ from macspec.engine.runtime import Runtime
 from macspec.sampling import SamplingParams, processed_logprobs
 from macspec.models.loader import load_model, load_mtp_head
 
-from .conftest import generate
+from .conftest import engine_for
 from .modeldirs import (build_model, random_mtp_head, save_model, tiny_llama_config,
                         write_word_tokenizer)
 
@@ -85,20 +85,25 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("method", ["draft", "mtp", "ngram"])
-def test_speculative_sampling_matches_target_distribution(tiny_vocab_dirs, method, config):
+def test_speculative_sampling_matches_target_distribution(tiny_vocab_dirs, method, config, batch):
+    """Through the engine `serve` uses, alone and with `batch` requests sharing each step."""
     runtime = make_runtime(tiny_vocab_dirs, method)
+    engine = engine_for(runtime)
     base = CONFIGS[config]
     joint = exact_joint(runtime, base)
     counts = np.zeros((VOCAB,) * 3)
     drafted = accepted = 0
-    for i in range(NUM_SAMPLES):
-        params = SamplingParams(**{**base.__dict__, "seed": 10_000 + i})
-        tokens, gen = generate(runtime, PROMPT, 4, params, k=2)  # t2, t3 from one verify
-        counts[tuple(tokens[:3])] += 1
-        drafted += gen.stats.spec.num_drafted
-        accepted += gen.stats.spec.num_accepted
+    for start in range(0, NUM_SAMPLES, batch):
+        params = [SamplingParams(**{**base.__dict__, "seed": 10_000 + start + i}) for i in range(batch)]
+        for done in engine.generate([PROMPT] * batch, params, 4, num_draft=2, adaptive=False):
+            counts[tuple(done.tokens[:3])] += 1  # t2, t3 come from one verify (k = 2)
+            drafted += done.stats["spec"]["drafted"]
+            accepted += done.stats["spec"]["accepted"]
+    if batch > 1:
+        assert max(engine.batch_histogram) == batch  # the requests really shared steps
     assert drafted > NUM_SAMPLES // 2, "speculation must actually run"
     assert 0 < accepted < drafted, "a partial-acceptance regime exercises the rejection path"
     assert chi_square_p(counts.sum(2), joint.sum(2)) > MIN_P_VALUE  # (t1, t2)

@@ -1,4 +1,5 @@
-"""Speculative greedy output equals plain greedy output, token for token."""
+"""Speculative greedy output equals plain greedy output, token for token, through the engine
+that `serve` uses: one request alone and inside mixed batches; plain equals mlx-lm's."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import mlx.core as mx
 
 from macspec.sampling import SamplingParams
 
-from .conftest import generate
+from .conftest import engine_for, generate
 
 MAX_TOKENS = 40
 PLAIN = SamplingParams()
@@ -33,7 +34,7 @@ def plain_outputs(runtime_for, prompts, params):
         runtime = runtime_for("none")
         runs = [generate(runtime, p, MAX_TOKENS, params, stop_token_ids=stop_ids(runtime, i))
                 for i, p in enumerate(prompts)]
-        _reference[key] = [(tokens, gen.stats.finish_reason) for tokens, gen in runs]
+        _reference[key] = [(tokens, gen.finish_reason) for tokens, gen in runs]
     return _reference[key]
 
 
@@ -63,6 +64,35 @@ def test_speculative_greedy_equals_plain(runtime_for, prompts, method, k, params
         tokens, gen = generate(runtime, prompt, MAX_TOKENS, params, k=k,
                                stop_token_ids=stop_ids(runtime, i))
         assert tokens == expected, f"{method} k={k} diverged on prompt {prompt[:8]}"
-        assert gen.stats.finish_reason == reason
-        drafted += gen.stats.spec.num_drafted
+        assert gen.finish_reason == reason
+        drafted += gen.stats["spec"]["drafted"]
     assert drafted > 0, "the proposer never proposed: the test would prove nothing"
+
+
+def test_mixed_batches_equal_plain(runtime_for, prompts):
+    """All prompts at once (8 rows at a time, so rows join and leave mid-stream), each row with
+    its own method, k, adaptivity and sampling; every greedy row equals plain decoding. The
+    second round starts from the first round's KV (prefix-cache hits)."""
+    runtime = runtime_for("draft")  # mtp and ngram load on demand, as in serve
+    engine = engine_for(runtime)
+    reference = plain_outputs(runtime_for, prompts, PLAIN)
+    n = len(prompts)
+    greedy = [i % 3 != 0 for i in range(n)]
+    params = [PLAIN if greedy[i] else SamplingParams(temperature=0.8, top_p=0.9, seed=i) for i in range(n)]
+    options = {"method": [("draft", "mtp", "ngram", "none")[i % 4] for i in range(n)],
+               "num_draft": [(1, 2, 3, 4, 8)[i % 5] for i in range(n)],
+               "adaptive": [i % 2 == 0 for i in range(n)],
+               "stop_token_ids": [stop_ids(runtime, i) for i in range(n)]}
+    hits_before = engine.scheduler.prefix_cache.as_dict()["hits"]
+    for _ in range(2):
+        steps_before = dict(engine.batch_histogram)
+        done = engine.generate(prompts, params, MAX_TOKENS, **options)
+        for i, (completion, (expected, reason)) in enumerate(zip(done, reference)):
+            assert completion.error is None, completion.error
+            if greedy[i]:
+                assert completion.tokens == expected, f"row {i} ({options['method'][i]}) diverged"
+                assert completion.finish_reason == reason
+        batched = {b: c - steps_before.get(b, 0) for b, c in engine.batch_histogram.items()}
+        assert max(b for b, c in batched.items() if c) == 8  # the batch was full at times
+        assert sum(c.stats["spec"]["drafted"] for c in done) > 0
+    assert engine.scheduler.prefix_cache.as_dict()["hits"] > hits_before

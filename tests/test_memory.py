@@ -37,8 +37,6 @@ def test_mla_latent_cache_is_not_split_by_tp_but_gqa_is():
     gqa = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}
     assert kv_bytes_per_token(gqa, 2) == 32 * 2 * 8 * 128 * 2
     assert kv_bytes_per_token(gqa, 2, tp=2) == kv_bytes_per_token(gqa, 2) // 2
-    q8 = kv_bytes_per_token(gqa, 2, kv_bits=8, group_size=64)
-    assert q8 == int(32 * 2 * 8 * 128 * (1 + 4 / 64))
 
 
 def test_weight_sizes_from_headers(runtime_for):
@@ -62,7 +60,7 @@ def test_budget_accounting():
 def test_admission_waits_for_memory_and_refuses_what_never_fits():
     runtime = runtime_with("tiny", kv__kv_budget_mb=2, kv__prefix_cache_mb=0)
     with RunningServer(runtime, max_batch=8) as server:
-        per_token = server.engine.memory.bytes_per_token
+        per_token = server.engine.engine.memory.bytes_per_token
         body = {"prompt": "def f(x):", "max_tokens": 150, "temperature": 0, "ignore_eos": True}
         with ThreadPoolExecutor(3) as pool:
             replies = list(pool.map(lambda _: requests.post(server.url + "/v1/completions", json=body,
@@ -79,7 +77,12 @@ def test_admission_waits_for_memory_and_refuses_what_never_fits():
         assert too_big.status_code == 400
         error = too_big.json()["error"]
         assert error["param"] == "max_tokens" and "KV budget is 2.0 MB" in error["message"]
-        assert f"{1902 * per_token / 2**20:.1f} MB" in error["message"] or "MB of KV" in error["message"]
+        engine, runtime = server.engine.engine, server.runtime
+        prompt = len(runtime.tokenizer.encode("x", add_special_tokens=False))
+        k = runtime.profile.speculative.num_draft_tokens
+        need = (prompt + 1900 + k + 1) * engine._kv_per_token(runtime.method)  # full length, proposer too
+        assert need > 1902 * per_token
+        assert f"needs {need / 2**20:.1f} MB of KV" in error["message"], error["message"]
         assert requests.get(server.url + "/health", timeout=5).json()["status"] == "ok"
         metrics = requests.get(server.url + "/metrics", timeout=5).text
         assert 'macspec_memory_bytes{kind="kv_budget"} 2.097152e+06' in metrics

@@ -38,11 +38,15 @@ def test_compute_bound_k_falls_with_batch_size():
 
 
 def test_fixed_k_rows_are_honoured_and_set_the_window():
-    planner = planner_with(base_s=0.004, per_row_s=0.0, per_position_s=0.001)
-    batch = rows(8)
-    batch[0] = RowController(3, adaptive=False, method="ngram")
+    """A fixed-k row pads the batch to its window; the other rows may then draft up to that
+    window for the price of their drafts only, which they do when drafts are cheap."""
+    planner = planner_with(base_s=0.004, per_row_s=0.0, per_position_s=0.001, draft_s=1e-5)
+    assert max(planner.plan(rows(16))) == 0  # alone, a wider window does not pay at batch 16
+    batch = rows(16)
+    batch[0] = RowController(3, adaptive=False, method="draft")
     ks = planner.plan(batch)
     assert ks[0] == 3
+    assert all(1 <= k <= 3 for k in ks[1:]), ks  # inside the window the fixed row set
 
 
 def test_useless_drafts_turn_off_then_probe_with_backoff():

@@ -122,5 +122,6 @@ class Sequence:
         if self.row is not None:
             out["controller"] = {"state": self.row.state, "turned_off": self.row.num_turned_off,
                                  "probes": self.row.num_probes,
+                                 "probe_intervals": list(self.row.probe_intervals),
                                  "alphas": [round(a, 3) for a in self.row.alphas]}
         return out

@@ -42,11 +42,6 @@ def trim(cache: list, num_tokens: int) -> None:
             layer_cache.trim(num_tokens)
 
 
-def quantize_cache(cache: list, bits: int, group_size: int) -> list:
-    return [c.to_quantized(group_size=group_size, bits=bits) if isinstance(c, KVCache) else c
-            for c in cache]
-
-
 def eval_cache(cache: list) -> None:
     mx.eval([c.state for c in cache])
 

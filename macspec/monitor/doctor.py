@@ -225,7 +225,7 @@ class Doctor:
             weights += sizes.mtp * (2 if on_cpu else 1)  # the head runs on rank 0
         dtype_bytes = 4 if on_cpu else 2
         kv = self.profile.kv
-        per_token = kv_bytes_per_token(config, dtype_bytes, kv.kv_bits, kv.kv_group_size, tp)
+        per_token = kv_bytes_per_token(config, dtype_bytes, tp)
         draft = self.model_dirs.get("draft")
         if draft is not None:
             weights += weight_sizes(draft).per_rank(1, float32=on_cpu)
@@ -241,7 +241,7 @@ class Doctor:
         elif full > limit:
             self.add("fits in memory", WARN, detail + f"; a full batch of {self.profile.server.max_batch} "
                      "at max context does not fit (admission control will queue)",
-                     "lower kv.max_context or server.max_batch, or set kv.kv_bits = 8")
+                     "lower kv.max_context or server.max_batch")
         else:
             self.add("fits in memory", OK, detail)
 

@@ -28,8 +28,7 @@ GB_FIT_SLACK = 1.15  # suggested wired limit = need x this (activations, buffer 
 HEADROOM = 0.10  # of the memory limit, kept free for activations, the buffer cache and the OS
 
 
-def kv_bytes_per_token(config: dict, dtype_bytes: int, kv_bits: int | None = None,
-                       group_size: int = 64, tp: int = 1, layers: int | None = None) -> int:
+def kv_bytes_per_token(config: dict, dtype_bytes: int, tp: int = 1, layers: int | None = None) -> int:
     """Bytes one token's KV takes on one rank. MLA models (kv_lora_rank) cache the compressed
     latent plus the RoPE key, shared by every head, so TP does not split them; standard and
     grouped-query attention cache K and V per KV head, split over the TP ranks."""
@@ -40,8 +39,7 @@ def kv_bytes_per_token(config: dict, dtype_bytes: int, kv_bits: int | None = Non
         heads = config.get("num_key_value_heads") or config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         elements = 2 * max(1, heads // tp) * head_dim
-    per_element = kv_bits / 8 + 2 * dtype_bytes / group_size if kv_bits else dtype_bytes
-    return int(layers * elements * per_element)
+    return int(layers * elements * dtype_bytes)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from aiohttp import hdrs, web
 
 from .. import __version__
 from ..config import Profile
-from ..engine.engine import Engine
+from ..engine.service import EngineService
 from ..errors import MacspecError
 from . import anthropic_api, openai_api
 from .metrics import metrics_text
@@ -200,7 +200,7 @@ def auth_middleware(api_key: str | None):
 
 async def health(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE]
-    engine: Engine = state.engine
+    engine: EngineService = state.engine
     if state.stopping:
         reason = "shutting down" + (f": {engine.fatal_reason}" if engine.fatal_reason else "")
     else:
@@ -226,7 +226,7 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-def create_app(engine: Engine, profile: Profile, api_key: str | None = None,
+def create_app(engine: EngineService, profile: Profile, api_key: str | None = None,
                host: str | None = None, max_connections: int | None = None) -> web.Application:
     """`host`: the bind address (default the profile's); a loopback one turns on the Host check.
     `max_connections`: the connection cap (default server.max_connections, else no cap)."""
@@ -457,7 +457,7 @@ def _quiet_accept_errors(loop: asyncio.AbstractEventLoop):
     return previous
 
 
-async def serve_forever(engine: Engine, profile: Profile, host: str, port: int,
+async def serve_forever(engine: EngineService, profile: Profile, host: str, port: int,
                         api_key: str | None, on_ready=None, stop: asyncio.Event | None = None) -> None:
     """Run until SIGINT/SIGTERM (or `stop` is set); `on_ready(port)` once the socket listens.
     At the end /health answers 503 "shutting down" while the engine stops (off the loop)."""
@@ -498,7 +498,7 @@ async def serve_forever(engine: Engine, profile: Profile, host: str, port: int,
         loop.set_exception_handler(previous_handler)
 
 
-async def _watch_engine(engine: Engine, stop: asyncio.Event) -> None:
+async def _watch_engine(engine: EngineService, stop: asyncio.Event) -> None:
     while engine.alive:
         await asyncio.sleep(1.0)
     logger.error("the engine thread ended; stopping the server")

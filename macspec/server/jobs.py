@@ -11,7 +11,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from ..engine.engine import Engine
+from ..engine.service import EngineService
 from ..engine.request import Failed, Finished, GenerationRequest, Tokens
 from ..sampling import SamplingParams
 from ..errors import EngineUnavailableError, MacspecError
@@ -101,7 +101,7 @@ class TextAssembler:
 
 
 class Job:
-    def __init__(self, engine: Engine, tokenizer, spec: JobSpec, is_disconnected):
+    def __init__(self, engine: EngineService, tokenizer, spec: JobSpec, is_disconnected):
         self.engine = engine
         self.spec = spec
         self.text = TextAssembler(tokenizer, spec.stop)

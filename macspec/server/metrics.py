@@ -5,11 +5,11 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..engine.engine import Engine
+from ..engine.service import EngineService
 
 
 class EngineCollector:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: EngineService):
         self.engine = engine
 
     def collect(self):
@@ -62,7 +62,7 @@ def _gauge(name: str, doc: str, value) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
 
-def metrics_text(engine: Engine) -> bytes:
+def metrics_text(engine: EngineService) -> bytes:
     registry = CollectorRegistry()
     registry.register(EngineCollector(engine))
     return generate_latest(registry)

@@ -10,7 +10,7 @@ from pathlib import Path
 from aiohttp import web
 
 from ..config import Profile
-from ..engine.engine import Engine
+from ..engine.service import EngineService
 from ..errors import MacspecError, NotFoundError, RequestError
 from .jobs import ClientGone, Job
 
@@ -32,7 +32,7 @@ def error_body(status: int, message: str, error_type: str, param: str | None, an
 
 
 class ServerState:
-    def __init__(self, engine: Engine, profile: Profile):
+    def __init__(self, engine: EngineService, profile: Profile):
         self.engine = engine
         self.profile = profile
         self.runtime = engine.runtime

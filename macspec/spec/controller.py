@@ -35,6 +35,7 @@ class RowController:
     probe_left: int = 0
     num_turned_off: int = 0
     num_probes: int = 0
+    probe_intervals: list[int] = field(default_factory=list)  # each wait before a probe, in order
     last_k: int = 0
 
     def __post_init__(self):
@@ -83,15 +84,18 @@ class RowController:
                                 _fmt(self.alphas))
                 else:
                     self.probe_interval = min(self.probe_interval * 2, self.probe_max_steps)
-                    self.steps_until_probe = self.probe_interval
+                    self._schedule_probe()
             return
         if not self.is_off and not pays_alone:  # also when the plan already gave it k = 0
             self.is_off = True
             self.num_turned_off += 1
-            self.steps_until_probe = self.probe_interval
+            self._schedule_probe()
             logger.info("speculation off for a request: acceptance %s does not pay; probe in %d "
                         "steps", _fmt(self.alphas), self.probe_interval)
 
+    def _schedule_probe(self) -> None:
+        self.steps_until_probe = self.probe_interval
+        self.probe_intervals.append(self.probe_interval)
 
 def expected_tokens(alphas: list[float], k: int) -> float:
     """E(k): the committed tokens a step with k drafts yields on average."""

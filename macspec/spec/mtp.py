@@ -21,9 +21,9 @@ class MTPProposer(Proposer):
     name = "mtp"
     needs_hidden = True
 
-    def __init__(self, head: MTPHead, target: ModelView):
+    def __init__(self, head: MTPHead, view: ModelView):
         self.head = head
-        self.target = target
+        self.view = view
         self.cache: list = []
         self.pending: list[mx.array] = []  # [n, H] blocks of true hidden states, oldest first
         self.num_pending = 0
@@ -31,7 +31,7 @@ class MTPProposer(Proposer):
         self.num_chained = 0
 
     def start(self, prompt, prompt_hidden, hidden_start=0) -> None:
-        self.cache = make_trimmable_cache(self.target.model)[-1:]
+        self.cache = make_trimmable_cache(self.view.model)[-1:]
         self.pending, self.num_pending, self.num_chained = [], 0, 0
         self.next_position = hidden_start
         self._add(prompt_hidden)
@@ -55,7 +55,7 @@ class MTPProposer(Proposer):
         start = self.next_position
         followers = mx.array(committed[start + 1:start + 1 + hidden.shape[0]])
         hidden = hidden.astype(self.head.eh_proj.weight.dtype)
-        logits, out = self.head(followers[None], hidden[None], self.target, self.cache[0])
+        logits, out = self.head(followers[None], hidden[None], self.view, self.cache[0])
         self.next_position += hidden.shape[0]
         self.pending, self.num_pending = [], 0
         return logits[0, -1], out[:, -1:]
@@ -67,7 +67,7 @@ class MTPProposer(Proposer):
 
         def advance(token: int) -> mx.array:
             nonlocal state
-            chained, out = self.head(mx.array([[token]]), state, self.target, self.cache[0])
+            chained, out = self.head(mx.array([[token]]), state, self.view, self.cache[0])
             state = out[:, -1:]
             self.num_chained += 1
             return chained[0, -1]

@@ -8,7 +8,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from macspec.config import load_profile
-from macspec.engine.generator import Generator
+from macspec.engine.engine import Engine
 from macspec.engine.runtime import Runtime
 from macspec.sampling import SamplingParams
 from macspec.forge import corpus
@@ -49,25 +49,61 @@ def load_family(wide_hidden: int, which: list[str]) -> dict:
     return {"tokenizer": target.tokenizer, "targets": targets}
 
 
+_ENGINES: dict[int, Engine] = {}
+
+
+def engine_for(runtime: Runtime) -> Engine:
+    """The engine `serve` uses, batch of one, its cost model calibrated as at start-up."""
+    if id(runtime) not in _ENGINES:
+        engine = Engine(runtime, max_batch=1)
+        engine.calibrate()
+        _ENGINES[id(runtime)] = engine
+    return _ENGINES[id(runtime)]
+
+
 def time_macspec(runtime: Runtime, prompts, max_tokens: int, temp: float, k: int | None,
                  adaptive: bool, label: str) -> dict:
+    engine = engine_for(runtime)
     tokens = forwards = drafted = accepted = 0
     seconds = 0.0
     for i, prompt in [(-1, prompts[0])] + list(enumerate(prompts)):  # i = -1: untimed warm-up
         params = SamplingParams(temperature=temp, seed=max(i, 0))
-        gen = Generator(runtime, params, max_tokens, num_draft=k, adaptive=adaptive)
-        for _ in gen.generate(prompt):
-            pass
-        s = gen.stats
+        [done] = engine.generate([prompt], params, max_tokens, num_draft=k, adaptive=adaptive)
+        if done.error is not None:
+            raise done.error
+        s = done.stats
         if i < 0:
             continue
-        tokens += s.generated_tokens - 1  # decode only: the first token belongs to prefill
-        seconds += s.decode_s
-        forwards += s.spec.num_steps
-        drafted += s.spec.num_drafted
-        accepted += s.spec.num_accepted
+        tokens += s["generated_tokens"] - 1  # decode only: the first token belongs to prefill
+        seconds += s["decode_s"]
+        forwards += s["spec"]["target_forwards"]
+        drafted += s["spec"]["drafted"]
+        accepted += s["spec"]["accepted"]
     return {"config": label, "tok_s": tokens / seconds, "tokens_per_forward": tokens / max(forwards, 1),
             "acceptance": accepted / drafted if drafted else 0.0, "mean_k": drafted / max(forwards, 1)}
+
+
+def time_mlx_lm_plain(runtime: Runtime, prompts, max_tokens: int, temp: float) -> dict:
+    """mlx_lm.stream_generate on the same model: the outside reference for plain decoding
+    (its generation_tps counts decode tokens after the first, as ours does)."""
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    tokens = 0
+    seconds = 0.0
+    for i, prompt in [(-1, prompts[0])] + list(enumerate(prompts)):
+        mx.random.seed(max(i, 0))
+        last = None
+        for last in stream_generate(runtime.target.model, runtime.tokenizer, prompt, max_tokens=max_tokens,
+                                    sampler=make_sampler(temp=temp)):
+            pass
+        if i < 0 or last is None or last.generation_tokens < 2:
+            continue
+        decode = last.generation_tokens - 1
+        tokens += decode
+        seconds += decode / last.generation_tps
+    return {"config": "mlx-lm plain", "tok_s": tokens / seconds, "tokens_per_forward": 1.0,
+            "acceptance": 0.0, "mean_k": 0.0}
 
 
 def time_mlx_lm(runtime: Runtime, prompts, max_tokens: int, temp: float, k: int) -> dict:

@@ -6,7 +6,7 @@ decode tok/s, TTFT, ms per engine step (spec at a fixed k = 4 shows the wider ve
 forward; adaptive k is what serving does by default), tokens per step, and collectives per decode step
 (rank 0's step plans plus the model's own all_sums: 2 per sharded layer).
 
-  python bench/tp.py [--concurrency 1,4] [--rounds 4] [--max-tokens 64] [--json-out F]
+  python benchmarks/tp.py [--concurrency 1,4] [--rounds 4] [--max-tokens 64] [--json-out F]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from serve import Server, free_port, prompts, scenario  # bench/serve.py
+from serve import Server, free_port, prompts, scenario  # benchmarks/serve.py
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

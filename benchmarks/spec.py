@@ -1,13 +1,15 @@
 """Speculative decoding benchmark: ratios measured side by side in one run.
 
 For the embedded target and its bandwidth-bound stand-in (the target widened to ~200M
-parameters, same logits), on held-out stdlib prompts: tokens per target forward and decode
-tok/s for plain decoding, macspec with each proposer at fixed k and adaptive, and mlx-lm's
+parameters, same logits), on held-out stdlib prompts, all through the engine `serve` uses
+(batch of one): tokens per target forward and decode tok/s for plain decoding (and
+mlx_lm.stream_generate on the same model, the outside reference), macspec with each proposer
+at fixed k and adaptive, and mlx-lm's
 speculative_generate_step on the same pair, at T = 0 and T = 0.7, with OpenBLAS on and off
 (each BLAS in its own process, since the choice is made before mlx is imported).
 
-    python bench/spec.py                  # full table (~15 min on 2 cores)
-    python bench/spec.py --quick          # fewer configurations
+    python benchmarks/spec.py                  # full table (~15 min on 2 cores)
+    python benchmarks/spec.py --quick          # fewer configurations
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def child(args) -> list[dict]:
 
     import mlx.core as mx
 
-    from bench.common import bench_prompts, load_family, time_macspec, time_mlx_lm
+    from benchmarks.common import bench_prompts, load_family, time_macspec, time_mlx_lm, time_mlx_lm_plain
 
     family = load_family(args.wide_hidden, [m for m in args.models.split(",") if m])
     prompts = bench_prompts(family["tokenizer"], args.prompts)
@@ -64,6 +66,7 @@ def child(args) -> list[dict]:
                       file=sys.stderr, flush=True)
 
             add(time_macspec(runtimes["none"], prompts, args.max_tokens, temp, None, False, "plain"))
+            add(time_mlx_lm_plain(runtimes["none"], prompts, args.max_tokens, temp))
             for method in ("draft", "mtp", "ngram"):
                 for k in ks:
                     add(time_macspec(runtimes[method], prompts, args.max_tokens, temp, k, False, f"{method} k={k}"))

@@ -7,7 +7,7 @@ aggregate completion tok/s, TTFT p50/p95, per configuration:
 Both servers load the same float32 copies of the embedded models (CPU matmuls are slow in
 bf16) and both run with OpenBLAS preloaded (mlx_lm.server is started through `import macspec`).
 
-  python bench/serve.py [--quick] [--concurrency 1,4,8,16] [--max-tokens 64] [--json-out F]
+  python benchmarks/serve.py [--quick] [--concurrency 1,4,8,16] [--max-tokens 64] [--json-out F]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from macspec.benchmark.launch import LaunchedServer, float32_copy, free_port  # noqa: E402
+from macspec.servebench.launch import LaunchedServer, float32_copy, free_port  # noqa: E402
 
 
 def prompts(count: int) -> list[str]:
