@@ -16,6 +16,8 @@ from macspec.errors import MacspecError
 
 from .serverutil import RunningServer, runtime_with
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server/process
+
 TOP = {"schema", "config", "runs", "comparisons", "totals", "errors", "server_log_excerpt"}
 RUN = {"label", "url", "extra", "warmup", "scenarios", "server_counters"}
 SCENARIO = {"name", "requests", "summary", "speculation", "server_counters"}

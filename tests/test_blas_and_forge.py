@@ -17,6 +17,8 @@ from macspec.forge.build import RECIPES, forge
 
 from .conftest import generate
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server/process
+
 PROBE = "import macspec, json; from macspec.blas import blas_info; print(json.dumps(blas_info().as_dict()))"
 
 

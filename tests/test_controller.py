@@ -4,6 +4,8 @@ same on real models through the engine."""
 
 from __future__ import annotations
 
+import pytest
+
 from macspec.config import load_profile
 from macspec.engine.runtime import Runtime
 from macspec.models.loader import load_model, resolve_path
@@ -89,6 +91,7 @@ def _runtime_with_draft(draft_path) -> Runtime:
     return runtime
 
 
+@pytest.mark.slow
 def test_random_draft_is_turned_off_quickly_then_probed_with_backoff(tmp_path):
     runtime = _runtime_with_draft(random_copy_of_embedded("tiny-draft", tmp_path / "rnd", seed=7))
     prompt = heldout_prompts(runtime.tokenizer)[0]
@@ -101,6 +104,7 @@ def test_random_draft_is_turned_off_quickly_then_probed_with_backoff(tmp_path):
     assert spec["acceptance_rate"] < 0.2
 
 
+@pytest.mark.slow
 def test_target_as_its_own_draft_accepts_everything():
     runtime = _runtime_with_draft(resolve_path("embedded:tiny-target"))
     prompt = heldout_prompts(runtime.tokenizer)[1]

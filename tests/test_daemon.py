@@ -15,6 +15,8 @@ import psutil
 import pytest
 import requests
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server/process
+
 KEY = "sk-daemon"
 
 

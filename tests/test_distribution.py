@@ -18,6 +18,8 @@ from .conftest import engine_for
 from .modeldirs import (build_model, random_mtp_head, save_model, tiny_llama_config,
                         write_word_tokenizer)
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server/process
+
 VOCAB = 8
 PROMPT = [1, 2, 3, 1]
 NUM_SAMPLES = 2000

@@ -138,6 +138,7 @@ def test_exit_codes():
 
 
 # ---- for real, on this machine ------------------------------------------------------------
+@pytest.mark.slow
 def test_doctor_runs_for_real_here():
     out = subprocess.run([sys.executable, "-m", "macspec", "doctor", "--json"], capture_output=True,
                          text=True, timeout=120)
@@ -150,6 +151,7 @@ def test_doctor_runs_for_real_here():
         assert by_name["RDMA"]["status"] == NA and by_name["RDMA"]["detail"] == "macOS only"
 
 
+@pytest.mark.slow
 def test_doctor_fails_a_profile_that_cannot_run_here():
     out = subprocess.run([sys.executable, "-m", "macspec", "doctor", "--profile", "kimi-tp2"],
                          capture_output=True, text=True, timeout=120)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import logging
+import threading
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import requests
 
 from macspec.engine import faults
 from macspec.engine.engine import Engine
+from macspec.engine.service import EngineService
 from macspec.engine.request import Failed, Finished, GenerationRequest
 from macspec.sampling import SamplingParams
 from macspec.spec.planner import BatchPlanner, ForwardCostModel, RowController
@@ -71,6 +73,7 @@ def _status(server) -> dict:
 @pytest.mark.parametrize("point,method", [("plan", "draft"), ("proposer_start", "mtp"),
                                           ("propose", "draft"), ("proposer_observe", "mtp"),
                                           ("controller", "ngram"), ("cost_model", "draft")])
+@pytest.mark.slow
 def test_bookkeeping_fault_falls_back_to_plain_and_is_counted(server, caplog, point, method):
     prompt = "def parse(self, text):\n    "
     plain = _complete(server, prompt, "none").json()["choices"][0]["text"]
@@ -89,6 +92,7 @@ def test_bookkeeping_fault_falls_back_to_plain_and_is_counted(server, caplog, po
     assert _status(server)["degraded_reason"] is None
 
 
+@pytest.mark.slow
 def test_failing_decode_step_ends_every_request_with_an_error(server):
     prompts = [f"def f{i}(x):\n    return" for i in range(6)]
 
@@ -112,6 +116,7 @@ def test_failing_decode_step_ends_every_request_with_an_error(server):
     assert requests.get(server.url + "/health", timeout=5).json() == {"status": "ok"}
 
 
+@pytest.mark.slow
 def test_failing_prefill_fails_only_that_request(server):
     faults.arm("prefill", RuntimeError("injected prefill failure"), times=1)
     reply = _complete(server, "class Queue:\n")
@@ -119,14 +124,19 @@ def test_failing_prefill_fails_only_that_request(server):
     assert _complete(server, "class Queue:\n").status_code == 200
 
 
+@pytest.mark.slow
 def test_bad_seed_reaching_the_engine_fails_that_request_at_once():
     """A request the engine cannot start (here: a seed mx.random.key refuses) gets its Failed
-    event instead of hanging; the engine keeps serving."""
+    event at once, through the service as through the engine itself; both keep serving."""
     engine = Engine(runtime_with("tiny"))
-    engine.start(calibrate=False)
+    bad = SamplingParams(temperature=0.5, seed=-1)
+    [failed, fine] = engine.generate([[1, 2, 3], [1, 2, 3]], [bad, SamplingParams()], 4)
+    assert failed.error is not None and "could not start" in str(failed.error)
+    assert fine.error is None and len(fine.tokens) == 4
+    service = EngineService(engine)
+    service.start(calibrate=False)
     try:
         events = []
-        import threading
         done = threading.Event()
 
         def sink(event):
@@ -134,17 +144,18 @@ def test_bad_seed_reaching_the_engine_fails_that_request_at_once():
             if isinstance(event, (Failed, Finished)):
                 done.set()
 
-        engine.submit(GenerationRequest([1, 2, 3], SamplingParams(temperature=0.5, seed=-1), 4, sink))
+        service.submit(GenerationRequest([1, 2, 3], bad, 4, sink))
         assert done.wait(10), events
         assert isinstance(events[-1], Failed)
         done.clear()
-        engine.submit(GenerationRequest([1, 2, 3], SamplingParams(), 4, sink))
+        service.submit(GenerationRequest([1, 2, 3], SamplingParams(), 4, sink))
         assert done.wait(30) and isinstance(events[-1], Finished)
-        assert engine.degraded_reason is None
+        assert service.degraded_reason is None
     finally:
-        engine.stop()
+        service.stop()
 
 
+@pytest.mark.slow
 def test_faults_reach_metrics(server):
     faults.arm("plan", RuntimeError("injected plan"), times=1)
     assert _complete(server, "x = 1\n").status_code == 200
@@ -153,6 +164,7 @@ def test_faults_reach_metrics(server):
     assert json.dumps(_status(server)["speculation_faults"])
 
 
+@pytest.mark.slow
 def test_tp_engine_failure_is_logged_with_its_traceback(tmp_path, monkeypatch):
     from .tputil import TPServer
 

@@ -14,6 +14,8 @@ from .conftest import heldout_prompts
 from .serverutil import RunningServer, runtime_with
 from .tputil import TPServer
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server/process
+
 CLIENTS = 32
 REQUESTS_EACH = 5
 MAX_TOKENS = 20

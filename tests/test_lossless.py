@@ -12,6 +12,8 @@ from macspec.sampling import SamplingParams
 
 from .conftest import engine_for, generate
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server/process
+
 MAX_TOKENS = 40
 PLAIN = SamplingParams()
 PENALIZED = SamplingParams(repetition_penalty=1.3)

@@ -3,6 +3,8 @@ through a real server with a small KV budget."""
 
 from __future__ import annotations
 
+import pytest
+
 from concurrent.futures import ThreadPoolExecutor
 
 import requests
@@ -57,6 +59,7 @@ def test_budget_accounting():
     assert not budget.fits(budget.need(3), held_elsewhere=2000)
 
 
+@pytest.mark.slow
 def test_admission_waits_for_memory_and_refuses_what_never_fits():
     runtime = runtime_with("tiny", kv__kv_budget_mb=2, kv__prefix_cache_mb=0)
     with RunningServer(runtime, max_batch=8) as server:

@@ -20,6 +20,8 @@ from macspec.models.loader import load_model, load_mtp_head, resolve_path
 from .conftest import generate
 from .modeldirs import build_model, random_mtp_head, save_model, write_word_tokenizer
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server/process
+
 DEEPSEEK_V3 = {
     "model_type": "deepseek_v3", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
     "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,

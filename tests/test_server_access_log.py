@@ -12,6 +12,8 @@ import requests
 
 from .serverutil import RunningServer, runtime_with
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server/process
+
 LINE = re.compile(r"^(?P<id>[0-9a-f]{16}) (?P<method>[A-Z]+) (?P<path>\S+) (?P<status>\d{3}) "
                   r"prompt_tokens=(?P<prompt>\S+) completion_tokens=(?P<completion>\S+) "
                   r"ms=(?P<ms>\d+\.\d) method=(?P<spec>\S+) acceptance=(?P<acceptance>\S+)$")

@@ -11,6 +11,8 @@ import requests
 
 from .serverutil import RunningServer, runtime_with
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server/process
+
 KEY = "sk-test-123"
 
 

@@ -13,6 +13,8 @@ import requests
 from .conftest import heldout_prompts
 from .serverutil import RunningServer, runtime_with
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server/process
+
 METHODS = ["draft", "mtp", "ngram", "none"]
 
 

@@ -19,6 +19,8 @@ import requests
 
 from .serverutil import RunningServer, runtime_with
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server/process
+
 PARTIAL = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "  # never finished
 
 

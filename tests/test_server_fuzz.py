@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from .serverutil import RunningServer, runtime_with
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server/process
+
 PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/messages"]
 JSON_TYPES = ["application/json", "application/json; charset=utf-8", "application/vnd.x+json"]
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",

@@ -14,6 +14,8 @@ from macspec.run import RunOptions, run_once
 
 from .serverutil import RunningServer, runtime_with
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server/process
+
 SPACE_PROMPT = "x = [i * i for i in"  # the greedy continuation starts with " _name"
 
 

@@ -12,6 +12,8 @@ from macspec.errors import ProfileError
 
 from .serverutil import RunningServer, runtime_with
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server/process
+
 SERVED = "embedded:tiny-target"
 ALIASES = ["gpt-4o", "claude-local"]
 MESSAGES = [{"role": "user", "content": "def f():"}]

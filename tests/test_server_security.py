@@ -13,6 +13,8 @@ from macspec.server.app import allowed_host_names
 
 from .serverutil import RunningServer, runtime_with
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server/process
+
 KEY = "sk-sec-1"
 BODY = {"prompt": "x", "max_tokens": 1}
 ANTHROPIC_BODY = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}

@@ -3,12 +3,16 @@ never a hang or a refused connection before the engine is down."""
 
 from __future__ import annotations
 
+import pytest
+
 import threading
 import time
 
 import requests
 
 from .serverutil import RunningServer, runtime_with
+
+pytestmark = pytest.mark.slow  # loads a model or starts a server/process
 
 PROMPT_TOKENS = 4000  # one prefill step of a few hundred ms (fast Mac) to seconds (CI CPU)
 

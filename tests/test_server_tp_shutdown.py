@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import pytest
+
 import threading
 import time
 
 import requests
 
 from .tputil import TPServer
+
+pytestmark = pytest.mark.slow  # loads a model or starts a server/process
 
 
 def test_tp_teardown_keeps_health_answering(tmp_path):

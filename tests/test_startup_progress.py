@@ -3,10 +3,14 @@ piped or with --json nothing extra appears; at info every phase is logged with i
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import pty
 import subprocess
 import sys
+
+pytestmark = pytest.mark.slow  # loads a model or starts a server/process
 
 
 def _run(*args: str, tty: bool) -> tuple[str, str]:

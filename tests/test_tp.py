@@ -21,6 +21,8 @@ from macspec.distributed.bootstrap import group_spec
 from .serverutil import RunningServer, runtime_with
 from .tputil import TPServer
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server/process
+
 MAX_TOKENS = 40
 METHODS_K = [("none", 1)] + [(m, k) for m in ("draft", "mtp", "ngram") for k in (1, 2, 4, 8)]
 

@@ -67,12 +67,14 @@ def test_remote_ranks_start_over_ssh_in_batch_mode():
     assert "MACSPEC_TP_GROUP='{\"backend\": \"jaccl\"}'" in argv[-1]
 
 
+@pytest.mark.slow
 def test_worker_refuses_to_start_by_hand():
     out = subprocess.run([sys.executable, "-m", "macspec", "tp-worker", "--rank", "1"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "MACSPEC_TP_GROUP is not set" in out.stderr
 
 
+@pytest.mark.slow
 def test_run_on_a_tp2_profile_equals_one_process():
     cmd = [sys.executable, "-m", "macspec", "run", "def fibonacci(n):", "--max-tokens", "24"]
     tp = subprocess.run(cmd + ["--profile", "tiny-tp2", "--json"], capture_output=True, text=True, timeout=120)

@@ -17,6 +17,8 @@ import pytest
 
 from macspec.config import find_profile
 
+pytestmark = pytest.mark.slow  # loads a model or starts a server/process
+
 JOIN_TIMEOUT_S = 8.0
 
 

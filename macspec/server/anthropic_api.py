@@ -39,7 +39,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         raise RequestError("'max_tokens' is required", "max_tokens")
     stream = get_bool(body, "stream", False)
     conversation = _system(body) + chat_messages(body, roles=("user", "assistant"))
-    prompt = state.encode_chat(conversation)
+    prompt = await state.off_loop(state.encode_chat, conversation)
     spec = build_job(body, prompt, max_tokens, get_stop(body, "stop_sequences"), state.profile,
                      temperature_max=1.0)
     job = Job(state.engine, state.tokenizer, spec, lambda: request.transport is None or request.transport.is_closing())

@@ -86,7 +86,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
     body = parse_json_body(await request.read())
     stream, include_usage, max_tokens, stop = _common(body, state)
-    prompt = state.encode_chat(chat_messages(body))
+    prompt = await state.off_loop(state.encode_chat, chat_messages(body))
     spec = build_job(body, prompt, max_tokens, stop, state.profile)
     return await _respond(request, state, spec, stream, include_usage, chat=True)
 
@@ -95,7 +95,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
     body = parse_json_body(await request.read())
     stream, include_usage, max_tokens, stop = _common(body, state)
-    prompt = completion_prompt(body, state.tokenizer)
+    prompt = await state.off_loop(completion_prompt, body, state.tokenizer)
     spec = build_job(body, prompt, max_tokens, stop, state.profile)
     return await _respond(request, state, spec, stream, include_usage, chat=False)
 

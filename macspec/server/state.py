@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 import logging
 import time
@@ -56,6 +58,11 @@ class ServerState:
         if model not in self.model_names:
             raise NotFoundError(f"model {model[:200]!r} is not served here; available: "
                                 f"{', '.join([*self.model_names, DEFAULT_MODEL])}", "model")
+
+    async def off_loop(self, fn, *args):
+        """Tokenizing and chat templating take milliseconds per long prompt: run them on a
+        worker thread so the event loop keeps streaming other requests meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         if self.has_chat_template:
