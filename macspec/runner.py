@@ -11,8 +11,8 @@ import time
 
 import mlx.core as mx
 
-from .kv.batched import BatchKV
-from .kv.cache import make_trimmable_cache
+from .kv.batched import BatchKV, layout_of
+from .kv.cache import cache_arrays, leaves, make_trimmable_cache
 from .models.view import ModelView
 
 NO_ENTRY = -1  # "no prefix-cache entry" in ops
@@ -21,7 +21,8 @@ NO_ENTRY = -1  # "no prefix-cache entry" in ops
 class TargetRunner:
     def __init__(self, view: ModelView):
         self.view = view
-        self.kv = BatchKV(len(view.model.layers))
+        self.layout = layout_of(make_trimmable_cache(view.model))  # CacheList layers, e.g. GLM-5
+        self.kv = BatchKV(self.layout)
         self.slots: dict[int, list] = {}  # request id -> single-row cache while prefilling
         self.prefixes: dict[int, list[tuple[mx.array, ...]]] = {}  # prefix-cache entry -> KV
 
@@ -30,7 +31,7 @@ class TargetRunner:
         """A fresh cache for request `slot`, seeded with `length` positions of a prefix entry."""
         cache = make_trimmable_cache(self.view.model)
         if entry != NO_ENTRY:
-            for layer_cache, arrays in zip(cache, self.prefixes[entry]):
+            for layer_cache, arrays in zip(leaves(cache), self.prefixes[entry]):
                 layer_cache.update_and_fetch(*(a[:, :, :length] for a in arrays))
         self.slots[slot] = cache
 
@@ -40,7 +41,7 @@ class TargetRunner:
         cache = self.slots[slot]
         hidden = self.view.hidden(mx.array(tokens)[None], cache)
         logits = self.view.logits(hidden[0, -1:])
-        mx.eval(hidden, logits, [c.state for c in cache])
+        mx.eval(hidden, logits, cache_arrays(cache))
         return hidden[0], logits
 
     def slot_to_row(self, slot: int, length: int) -> None:
@@ -50,11 +51,11 @@ class TargetRunner:
         cache = self.slots.pop(slot)
         if entry != NO_ENTRY:
             self.prefixes[entry] = [tuple(mx.contiguous(a[:, :, :length]) for a in c.state[:2])
-                                    for c in cache]
+                                    for c in leaves(cache)]
             mx.eval(self.prefixes[entry])
 
     def slot_nbytes(self, slot: int, length: int) -> int:
-        return sum(a[:, :, :length].nbytes for c in self.slots[slot] for a in c.state[:2])
+        return sum(a[:, :, :length].nbytes for c in leaves(self.slots[slot]) for a in c.state[:2])
 
     # ---- batched decode --------------------------------------------------------------
     def decode(self, rows: int, window: int, tokens: list[int]) -> tuple[mx.array, mx.array]:
@@ -84,17 +85,17 @@ class TargetRunner:
 
     def reset(self) -> None:
         """Forget running rows and slots after a failed step (prefix entries stay valid)."""
-        self.kv = BatchKV(len(self.view.model.layers))
+        self.kv = BatchKV(self.layout)
         self.slots.clear()
 
     # ---- housekeeping ----------------------------------------------------------------
     def time_forward(self, rows: int, window: int, repeats: int) -> list[float]:
         """Seconds per forward at (rows, window) on scratch rows of a 16-token prompt."""
-        kv = BatchKV(len(self.view.model.layers))
+        kv = BatchKV(self.layout)
         prompt = mx.array(list(range(1, 17)))[None]
         for _ in range(rows):
             cache = make_trimmable_cache(self.view.model)
-            mx.eval(self.view.hidden(prompt, cache), [c.state for c in cache])
+            mx.eval(self.view.hidden(prompt, cache), cache_arrays(cache))
             kv.add_row(cache, prompt.shape[1])
         times = []
         for _ in range(repeats):

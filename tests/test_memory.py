@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-from macspec.kv.batched import BatchKV
+from macspec.kv.batched import BatchKV, layout_of
 from macspec.kv.cache import make_trimmable_cache
 from macspec.monitor.memory import KVBudget, kv_bytes_per_token, weight_sizes
 
@@ -26,7 +26,7 @@ def test_kv_estimate_equals_the_engine_allocation(runtime_for):
     model = runtime.target.model
     cache = make_trimmable_cache(model)
     model(mx.array([[1, 2, 3, 4, 5]]), cache=cache)
-    kv = BatchKV(len(model.layers))
+    kv = BatchKV(layout_of(cache))
     kv.add_row(cache, 5)
     dtype_bytes = model.model.norm.weight.dtype.size
     assert kv.row_nbytes(100) == 100 * kv_bytes_per_token(runtime.target.config, dtype_bytes)

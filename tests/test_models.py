@@ -17,7 +17,7 @@ from macspec.errors import IncompatibleDraftError, ModelLoadError, UnsupportedMo
 from macspec.models.compat import check_draft_compatible
 from macspec.models.loader import load_model, load_mtp_head, resolve_path
 
-from .conftest import generate
+from .conftest import engine_for, generate
 from .modeldirs import build_model, random_mtp_head, save_model, write_word_tokenizer
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server/process
@@ -95,6 +95,13 @@ def test_glm_moe_dsa_mtp_runs_losslessly_through_the_engine(tmp_path):
                             SamplingParams(), k=2)
     assert tokens == expected and len(tokens) == 8
     assert done.stats["spec"]["drafted"] > 0
+    # Batched rows of different lengths (the indexer's cache is batched beside the latent's).
+    plain = Runtime(Profile(), target, "none")
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12]]
+    alone = [generate(plain, p, 12, SamplingParams())[0] for p in prompts]
+    batch = engine_for(Runtime(Profile(), target, "mtp", mtp_head=head)).generate(
+        prompts, SamplingParams(), 12, num_draft=2)
+    assert [c.tokens for c in batch] == alone
 
 
 def test_missing_mtp_weights_are_a_clear_error(tmp_path):

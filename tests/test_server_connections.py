@@ -175,6 +175,7 @@ import asyncio, logging, resource, sys
 import macspec
 from macspec.config import load_profile
 from macspec.engine.engine import Engine
+from macspec.engine.service import EngineService
 from macspec.engine.runtime import Runtime
 from macspec.server.app import serve_forever
 
@@ -183,7 +184,7 @@ from macspec.server.app import serve_forever
 resource.setrlimit(resource.RLIMIT_NOFILE, (FILE_LIMIT, FILE_LIMIT))
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 
-engine = Engine(Runtime.load(load_profile("tiny")))
+engine = EngineService(Engine(Runtime.load(load_profile("tiny"))))
 engine.start()
 
 def ready(port):

@@ -82,3 +82,5 @@ def test_run_on_a_tp2_profile_equals_one_process():
     assert tp.returncode == 0, tp.stderr
     tp_out, one_out = json.loads(tp.stdout), json.loads(one.stdout)
     assert tp_out["text"] == one_out["text"] and tp_out["method"] == "draft"
+    assert tp_out.keys() == one_out.keys()  # one shape: both come from the same engine
+    assert tp_out["spec"].keys() == one_out["spec"].keys()

@@ -227,13 +227,8 @@ class Peers:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.terminate()
-        for _, _, proc, _ in self.procs:
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                break
+        self.kill(grace=5.0)
 
     @property
     def pids(self) -> list[int]:

@@ -47,8 +47,7 @@ class Watchdog:
             reason = self._check()
             if reason and not self._fired:
                 self._fired = True
-                logger.error("tensor parallelism failed: %s", reason)
-                self.on_fatal(reason)
+                self.on_fatal(reason)  # which logs it
 
     def _check(self) -> str | None:
         if self.peers is not None:

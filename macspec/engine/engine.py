@@ -335,6 +335,7 @@ class Engine:
         if self.fatal_reason:
             return
         self.fatal_reason = reason
+        logger.error("tensor parallelism failed: %s", reason)
         error = EngineUnavailableError(f"tensor parallelism failed: {reason}")
         for _ in range(3):  # the engine thread may move sequences between queues meanwhile
             try:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .cache import leaves
+
 CAPACITY_STEP = 256  # buffers grow along the sequence axis in chunks of this many positions
 
 
@@ -38,6 +40,15 @@ class BatchLayerCache:
         if self.buffers is not None:
             self.buffers = (value, *self.buffers[1:])
 
+    @property
+    def values(self):
+        return None if self.buffers is None else self.buffers[1]
+
+    @values.setter
+    def values(self, value):  # a DSA indexer resets its unused values this way
+        if self.buffers is not None:
+            self.buffers = (self.buffers[0], value)
+
     def is_trimmable(self) -> bool:
         return True
 
@@ -56,9 +67,29 @@ class BatchLayerCache:
         return self.owner.mask(window_size)
 
 
+class BatchCacheList:
+    """mlx-lm's CacheList, batched: one BatchLayerCache per sub-cache, all sharing the rows."""
+
+    def __init__(self, owner: "BatchKV", count: int):
+        self.caches = tuple(BatchLayerCache(owner) for _ in range(count))
+
+    def __getitem__(self, index: int) -> BatchLayerCache:
+        return self.caches[index]
+
+    @property
+    def state(self):
+        return [c.state for c in self.caches]
+
+    def is_trimmable(self) -> bool:
+        return True
+
+
 class BatchKV:
-    def __init__(self, num_layers: int):
-        self.layers = [BatchLayerCache(self) for _ in range(num_layers)]
+    def __init__(self, layout: list[int]):
+        """`layout`: per layer, 0 for a plain KV cache or the sub-cache count of a CacheList
+        (see `layout_of`)."""
+        self.layers = [BatchCacheList(self, n) if n else BatchLayerCache(self) for n in layout]
+        self.leaves: list[BatchLayerCache] = leaves(self.layers)
         self.lengths: list[int] = []
         self.capacity = 0
         self.window = 0
@@ -73,7 +104,7 @@ class BatchKV:
     def add_row(self, row_cache: list, length: int) -> int:
         """Append a sequence whose (single-row) mlx-lm caches hold `length` positions."""
         self._ensure_capacity(length)
-        for layer, source in zip(self.layers, row_cache):
+        for layer, source in zip(self.leaves, leaves(row_cache)):
             rows = tuple(self._padded(a[:, :, :length]) for a in source.state[:2])
             if layer.buffers is None:
                 layer.buffers = rows
@@ -86,27 +117,27 @@ class BatchKV:
     def remove_row(self, index: int) -> None:
         del self.lengths[index]
         if not self.lengths:  # drop the buffers so memory returns to the baseline
-            for layer in self.layers:
+            for layer in self.leaves:
                 layer.buffers = None
             self.capacity = 0
             return
         keep = mx.array([i for i in range(len(self.lengths) + 1) if i != index])
-        for layer in self.layers:
+        for layer in self.leaves:
             layer.buffers = tuple(mx.take(b, keep, axis=0) for b in layer.buffers)
         self._shrink_if_sparse()
         self._eval()
 
     def export_row(self, index: int, length: int) -> list[tuple[mx.array, ...]]:
-        """Copies of row `index`'s first `length` positions, per layer (for the prefix cache)."""
+        """Copies of row `index`'s first `length` positions, per leaf cache (for the prefix cache)."""
         out = [tuple(mx.contiguous(b[index:index + 1, :, :length]) for b in layer.buffers)
-               for layer in self.layers]
+               for layer in self.leaves]
         mx.eval(out)
         return out
 
     def row_nbytes(self, length: int) -> int:
         """Bytes one row's first `length` positions take (every row has the same layout)."""
         per_position = sum(b.nbytes // (b.shape[0] * b.shape[2])
-                           for layer in self.layers if layer.buffers for b in layer.buffers)
+                           for layer in self.leaves if layer.buffers for b in layer.buffers)
         return per_position * length
 
     def begin(self, window: int) -> None:
@@ -139,7 +170,7 @@ class BatchKV:
             return
         new_capacity = -(-needed // CAPACITY_STEP) * CAPACITY_STEP
         grow = new_capacity - self.capacity
-        for layer in self.layers:
+        for layer in self.leaves:
             if layer.buffers is not None:
                 layer.buffers = tuple(mx.pad(b, [(0, 0), (0, 0), (0, grow), (0, 0)])
                                       for b in layer.buffers)
@@ -149,12 +180,17 @@ class BatchKV:
         # A long request that left should not pin its capacity for the short ones still running.
         needed = -(-(max(self.lengths) + CAPACITY_STEP) // CAPACITY_STEP) * CAPACITY_STEP
         if needed * 2 <= self.capacity:
-            for layer in self.layers:
+            for layer in self.leaves:
                 layer.buffers = tuple(mx.contiguous(b[:, :, :needed]) for b in layer.buffers)
             self.capacity = needed
 
     def _eval(self) -> None:
-        mx.eval([layer.buffers for layer in self.layers if layer.buffers is not None])
+        mx.eval([layer.buffers for layer in self.leaves if layer.buffers is not None])
 
     def nbytes(self) -> int:
-        return sum(b.nbytes for layer in self.layers if layer.buffers for b in layer.buffers)
+        return sum(b.nbytes for layer in self.leaves if layer.buffers for b in layer.buffers)
+
+
+def layout_of(cache: list) -> list[int]:
+    """The BatchKV layout matching a model's single-row cache (see BatchKV)."""
+    return [len(c.caches) if hasattr(c, "caches") else 0 for c in cache]

@@ -43,7 +43,8 @@ def trim(cache: list, num_tokens: int) -> None:
 
 
 def eval_cache(cache: list) -> None:
-    mx.eval([c.state for c in cache])
+    mx.eval(cache_arrays(cache))
+
 
 def first_divergence(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
@@ -51,3 +52,17 @@ def first_divergence(a: list[int], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+def leaves(cache: list) -> list:
+    """Per-layer caches flattened: a CacheList (an MLA latent cache beside a DSA indexer's, as
+    in GLM-5) contributes its sub-caches, in order. Batched and single-row caches flatten alike."""
+    out = []
+    for layer_cache in cache:
+        out.extend(getattr(layer_cache, "caches", None) or [layer_cache])
+    return out
+
+
+def cache_arrays(cache: list) -> list:
+    """Every array a cache holds (for mx.eval)."""
+    return [c.state for c in leaves(cache)]

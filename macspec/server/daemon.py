@@ -25,7 +25,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ..config import HOME_ENV, Profile
+from ..config import Profile
+from ..paths import state_dir
 from ..errors import MacspecError
 
 logger = logging.getLogger(__name__)
@@ -36,18 +37,6 @@ STOP_TIMEOUT_S = 30.0
 # move: the same process may read a few ms to 1 s apart from two processes.
 CREATE_TIME_TOLERANCE_S = 1.0
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
-
-
-def state_dir() -> Path:
-    home = os.environ.get(HOME_ENV)
-    if home:
-        path = Path(home) / "state"
-    else:
-        import platformdirs
-
-        path = Path(platformdirs.user_state_dir("macspec"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def servers_dir() -> Path:
