@@ -270,6 +270,8 @@ class Engine:
         self._guard(None, "controller", self._observe_controller, seq.row, drafted, accepted)
 
     def _observe_controller(self, row: RowController, drafted: int, accepted: int) -> None:
+        if row.k_max == 0:  # plain decoding: nothing to decide
+            return
         row.observe(drafted, accepted, not row.adaptive or self.planner.pays_alone(row))
 
     def _propose(self, seq: Sequence, k: int) -> Proposal:

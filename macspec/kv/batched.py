@@ -64,7 +64,10 @@ class BatchLayerCache:
         return tuple(b[:, :, :span] for b in self.buffers)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        return self.owner.mask(window_size)
+        owner = self.owner
+        if owner.num_rows == 1 and owner.window == 1 and window_size is None:
+            return None  # one row, one query: every cached key is visible (as mlx-lm decodes)
+        return owner.mask(window_size)
 
 
 class BatchCacheList:

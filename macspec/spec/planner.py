@@ -33,25 +33,35 @@ class ForwardCostModel:
     def __init__(self):
         self.gram = np.zeros((3, 3))
         self.moment = np.zeros(3)
-        self.coef = np.zeros(3)
+        self._coef = np.zeros(3)
+        self._stale = False  # observations since the last solve (solved when next needed)
         self.num_observations = 0
 
     @staticmethod
     def features(rows: int, window: int) -> np.ndarray:
         return np.array([1.0, rows, rows * window])
 
+    @property
+    def coef(self) -> np.ndarray:
+        if self._stale:
+            self._stale = False
+            coef = _nonnegative_solve(self.gram, self.moment)
+            if np.isfinite(coef).all():  # else keep the last good fit
+                self._coef = coef
+        return self._coef
+
     def observe(self, rows: int, window: int, seconds: float, weight: float = 1.0) -> None:
+        """Cheap (plain decoding observes every step and never plans): the fit is solved
+        lazily, when a plan or a report next needs it."""
         if not math.isfinite(seconds) or seconds < 0:
             return  # a clock glitch must not poison the fit
         x = self.features(rows, window)
         if self.num_observations > 8:  # a one-off stall (GC, a new shape) must not swing the fit
-            seconds = min(seconds, 3 * self.predict(rows, window))
-        self.gram = FORGET * self.gram + weight * np.outer(x, x)
+            seconds = min(seconds, 3 * max(float(x @ self._coef), 1e-6))
+        self.gram = FORGET * self.gram + weight * (x[:, None] * x[None, :])
         self.moment = FORGET * self.moment + weight * seconds * x
         self.num_observations += 1
-        coef = _nonnegative_solve(self.gram, self.moment)
-        if np.isfinite(coef).all():  # else keep the last good fit
-            self.coef = coef
+        self._stale = True
 
     def predict(self, rows: int, window: int) -> float:
         return max(float(self.features(rows, window) @ self.coef), 1e-6)
