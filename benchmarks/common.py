@@ -9,6 +9,7 @@ from mlx.utils import tree_flatten
 
 from macspec.config import load_profile
 from macspec.engine.engine import Engine
+from macspec.engine.launch import calibrated_engine
 from macspec.engine.runtime import Runtime
 from macspec.sampling import SamplingParams
 from macspec.forge import corpus
@@ -55,9 +56,7 @@ _ENGINES: dict[int, Engine] = {}
 def engine_for(runtime: Runtime) -> Engine:
     """The engine `serve` uses, batch of one, its cost model calibrated as at start-up."""
     if id(runtime) not in _ENGINES:
-        engine = Engine(runtime, max_batch=1)
-        engine.calibrate()
-        _ENGINES[id(runtime)] = engine
+        _ENGINES[id(runtime)] = calibrated_engine(runtime, max_batch=1)
     return _ENGINES[id(runtime)]
 
 

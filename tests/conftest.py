@@ -8,6 +8,7 @@ import pytest
 
 from macspec.config import load_profile
 from macspec.engine.engine import Completion, Engine
+from macspec.engine.launch import calibrated_engine
 from macspec.engine.runtime import Runtime
 from macspec.sampling import SamplingParams
 from macspec.forge import corpus
@@ -43,9 +44,7 @@ _ENGINES: dict[int, Engine] = {}
 def engine_for(runtime: Runtime) -> Engine:
     """The engine `serve` uses, synchronous, one per runtime (its cost model calibrated)."""
     if id(runtime) not in _ENGINES:
-        engine = Engine(runtime, max_batch=8)
-        engine.calibrate()
-        _ENGINES[id(runtime)] = engine
+        _ENGINES[id(runtime)] = calibrated_engine(runtime, max_batch=8)
     return _ENGINES[id(runtime)]
 
 

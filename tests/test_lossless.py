@@ -98,3 +98,32 @@ def test_mixed_batches_equal_plain(runtime_for, prompts):
         assert max(b for b, c in batched.items() if c) == 8  # the batch was full at times
         assert sum(c.stats["spec"]["drafted"] for c in done) > 0
     assert engine.scheduler.prefix_cache.as_dict()["hits"] > hits_before
+
+
+def test_stop_strings_cut_speculative_text_where_plain_stops(prompts, runtime_for):
+    """Stop strings (text, matched by the server) end speculative and plain decoding at the same
+    place, even when the stop lands inside a step's accepted drafts."""
+    import requests
+
+    from .serverutil import RunningServer
+
+    runtime = runtime_for("draft")
+    texts = [runtime.tokenizer.decode(p) for p in prompts[:6]]
+    with RunningServer(runtime, max_batch=8) as server:
+        def complete(prompt, method, k, stop=None):
+            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stop": stop,
+                    "speculative": {"method": method, "num_draft_tokens": k, "adaptive": False}}
+            reply = requests.post(server.url + "/v1/completions", json=body, timeout=120)
+            assert reply.status_code == 200, reply.text
+            return reply.json()["choices"][0]
+
+        for prompt in texts:
+            plain = complete(prompt, "none", 0)["text"]
+            stop = plain[len(plain) // 2:len(plain) // 2 + 2]
+            if not stop.strip():
+                continue
+            expected = complete(prompt, "none", 0, [stop])
+            assert expected["finish_reason"] == "stop"
+            for method in ("draft", "mtp", "ngram"):
+                for k in (1, 4, 8):
+                    assert complete(prompt, method, k, [stop]) == expected, (method, k)

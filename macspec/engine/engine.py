@@ -72,6 +72,7 @@ class Engine:
         self.spec_totals: dict[str, SpecStats] = {}
         self.spec_faults = SpecFaults()
         self.batch_histogram: dict[int, int] = {}
+        self.live_counts = {"running": 0, "prefilling": 0, "waiting": 0}  # replaced, never mutated
         self._last_log = time.perf_counter()
 
     def _kv_per_token(self, method: str) -> int:
@@ -156,6 +157,7 @@ class Engine:
         """Admit, prefill one chunk, decode one batched step. A failed prefill fails only its
         request; any other failure propagates (the caller fails what is running)."""
         self.scheduler.admit()
+        self._publish_counts()
         chunk = self.scheduler.next_prefill()
         if chunk is not None:
             try:
@@ -167,7 +169,14 @@ class Engine:
                 self._fail_prefill(chunk[0], exc)
         if self.scheduler.running:
             self._decode_step()
+        self._publish_counts()
         self._maybe_log()
+
+    def _publish_counts(self) -> None:
+        """Queue lengths other threads may read while a (long) step runs."""
+        s = self.scheduler
+        self.live_counts = {"running": len(s.running), "prefilling": len(s.prefilling),
+                            "waiting": len(s.waiting)}
 
     def _prefill(self, seq: Sequence, chunk: list[int]) -> None:
         faults.check("prefill")

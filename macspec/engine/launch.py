@@ -9,6 +9,14 @@ from .runtime import Runtime
 from .service import EngineService
 
 
+def calibrated_engine(runtime: Runtime, max_batch: int) -> Engine:
+    """An engine over already loaded models, its cost model seeded as at start-up (tests and
+    benchmarks build models by hand)."""
+    engine = Engine(runtime, max_batch=max_batch)
+    engine.calibrate()
+    return engine
+
+
 def build_engine(profile: Profile, max_batch: int | None = None) -> Engine:
     """The synchronous engine (`run`, benchmarks); under TP it drives the peers it started."""
     tp = None

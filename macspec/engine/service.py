@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5
 HEARTBEAT_S = 1.0  # tensor parallelism: an idle rank 0 proves itself alive this often
-STATUS_WAIT_S = 5.0
+STATUS_WAIT_S = 0.5  # then the last full status with live queue lengths (a long prefill step)
 
 
 class EngineService:
@@ -37,6 +37,7 @@ class EngineService:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._last_status: dict | None = None
         self.started_at = time.time()
 
     # ---- any thread ------------------------------------------------------------------------
@@ -94,9 +95,12 @@ class EngineService:
                 self._inbox.append(("status", future))
             self._wake.set()
             try:
-                body = future.result(STATUS_WAIT_S)
-            except FutureTimeout:  # stuck (a collective): read it as it is
-                body = self.engine.status()
+                body = self._last_status = future.result(STATUS_WAIT_S)
+            except FutureTimeout:  # inside a long step (or a stuck collective)
+                if self._last_status is None:
+                    body = self._last_status = self.engine.status()
+                else:
+                    body = {**self._last_status, **self.engine.live_counts, "stale": True}
         else:
             body = self.engine.status()
         return {"state": "running" if self.alive else "stopped",

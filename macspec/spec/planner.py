@@ -57,7 +57,11 @@ class ForwardCostModel:
             return  # a clock glitch must not poison the fit
         x = self.features(rows, window)
         if self.num_observations > 8:  # a one-off stall (GC, a new shape) must not swing the fit
-            seconds = min(seconds, 3 * max(float(x @ self._coef), 1e-6))
+            if self._stale and self.num_observations % 32 == 0:
+                _ = self.coef  # refresh the reference now and then
+            reference = float(x @ self._coef)
+            if reference > 0:
+                seconds = min(seconds, 3 * reference)
         self.gram = FORGET * self.gram + weight * (x[:, None] * x[None, :])
         self.moment = FORGET * self.moment + weight * seconds * x
         self.num_observations += 1
