@@ -15,7 +15,7 @@ from macspec.distributed.plan import (BY_NAME, OPS, PlanError, decode_header, de
 from macspec.runner import TargetRunner
 
 
-def test_every_op_is_a_target_state_method():
+def test_every_op_is_a_target_runner_method():
     for op in OPS:
         assert callable(getattr(TargetRunner, op.name)), op.name
 
