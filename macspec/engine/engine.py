@@ -67,6 +67,7 @@ class Engine:
         self.scheduler = Scheduler(self.runner, self.memory, PrefixCache(profile.kv.prefix_cache_mb * 2**20),
                                    self.max_batch, profile.kv.prefill_chunk)
         self.fatal_reason: str | None = None
+        self.on_fatal = None  # called after fatal() (the service wakes its thread)
         self.totals = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "rejected": 0,
                        "prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
         self.spec_totals: dict[str, SpecStats] = {}
@@ -310,8 +311,7 @@ class Engine:
     # ---- ends ----------------------------------------------------------------------------
     def _close(self, seq: Sequence, reason: str | None = None) -> None:
         seq.finish(reason)
-        self.memory.reserved -= seq.kv_reserved
-        seq.kv_reserved = 0
+        self._release_kv(seq)
         key = "cancelled" if seq.stats.finish_reason == "cancelled" else "completed"  # "stop" completes
         self.totals[key] += 1
         seq.proposer = None
@@ -322,6 +322,9 @@ class Engine:
         except Exception:  # its slot may be half-made; the batch rows are untouched
             logger.debug("closing the failed slot %d", seq.request.id, exc_info=True)
         self._fail(seq, exc)
+        self._release_kv(seq)
+
+    def _release_kv(self, seq: Sequence) -> None:
         self.memory.reserved -= seq.kv_reserved
         seq.kv_reserved = 0
 
@@ -358,6 +361,8 @@ class Engine:
                 continue
         if self.tp is not None:
             self.tp.peers.kill()
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     def close(self, clean: bool = True) -> None:
         """Stop the watchdog and (tensor parallelism) end the peers."""

@@ -38,7 +38,7 @@ class EngineService:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._last_status: dict | None = None
-        self.started_at = time.time()
+        engine.on_fatal = self._wake.set  # an idle loop notices a watchdog's verdict at once
 
     # ---- any thread ------------------------------------------------------------------------
     def start(self, calibrate: bool = True) -> None:
@@ -66,10 +66,6 @@ class EngineService:
 
     def _thread_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
-
-    def fatal(self, reason: str) -> None:
-        self.engine.fatal(reason)
-        self._wake.set()
 
     def submit(self, request: GenerationRequest) -> None:
         if not self.alive:
