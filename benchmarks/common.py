@@ -13,7 +13,7 @@ from macspec.engine.launch import calibrated_engine
 from macspec.engine.runtime import Runtime
 from macspec.sampling import SamplingParams
 from macspec.forge import corpus
-from macspec.forge.widen import widen_mtp_head, widen_target
+from macspec.models.built import WIDE_HIDDEN
 from macspec.models.loader import LoadedModel, load_model, load_mtp_head
 
 
@@ -41,12 +41,11 @@ def load_family(wide_hidden: int, which: list[str]) -> dict:
     targets = {}
     if "tiny" in which:
         targets["tiny"] = _runtimes(target, draft, head)
-    if "wide" in which:
-        wide, wide_cfg = widen_target(target.model, target.config, wide_hidden)
-        wide_head = widen_mtp_head(head, wide, target.config, wide_cfg)
-        params = sum(v.size for _, v in tree_flatten(wide.parameters()))
-        wide_target = LoadedModel(wide, target.tokenizer, target.path, wide_cfg)
-        targets[f"wide-{params / 1e6:.0f}M"] = _runtimes(wide_target, draft, wide_head)
+    if "wide" in which:  # built into the cache on first use, as `macspec run -p tiny-wide` does
+        name = "tiny-wide" if wide_hidden == WIDE_HIDDEN else f"tiny-wide-{wide_hidden}"
+        wide = load_model(f"built:{name}", dtype="float32")
+        params = sum(v.size for _, v in tree_flatten(wide.model.parameters()))
+        targets[f"wide-{params / 1e6:.0f}M"] = _runtimes(wide, draft, load_mtp_head(wide))
     return {"tokenizer": target.tokenizer, "targets": targets}
 
 

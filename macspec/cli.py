@@ -450,18 +450,33 @@ def profiles_show(name, as_json):
 
 
 @main.command()
-@click.option("--out", type=click.Path(file_okay=False), required=True, help="Output directory.")
-@click.option("--recipe", type=click.Choice(["full", "smoke"]), default="full", show_default=True)
+@click.argument("what", default="family")
+@click.option("--out", type=click.Path(file_okay=False),
+              help="Output directory (family: required; tiny-wide: default the cache dir that "
+                   "built:tiny-wide resolves to).")
+@click.option("--recipe", type=click.Choice(["full", "smoke"]), default="full", show_default=True,
+              help="family only.")
 @click.option("--reuse-target", is_flag=True,
-              help="Keep OUT/tiny-target (tokenizer, target, MTP head); re-distill the draft only.")
+              help="family only: keep OUT/tiny-target (tokenizer, target, MTP head); re-distill the "
+                   "draft only.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
-def forge(out, recipe, reuse_target, log_level):
-    """Train the embedded tokenizer, target, draft and MTP head (offline, CPU)."""
+def forge(what, out, recipe, reuse_target, log_level):
+    """Train the embedded family (WHAT = family, offline, CPU), or build WHAT = tiny-wide: the
+    embedded target widened to ~206M parameters with the same logits (tiny-wide-N: hidden N)."""
     from pathlib import Path
 
+    setup_logging(log_level)
+    if what != "family":
+        from .models.built import build_wide, built_dir, wide_hidden
+
+        hidden = wide_hidden(what)  # MacspecError for an unknown name
+        path = build_wide(Path(out) if out else built_dir(what), hidden)
+        click.echo(f"built {what} (hidden {hidden}) in {path}")
+        return
+    if not out:
+        raise click.UsageError("forge family needs --out DIR")
     from .forge.build import RECIPES, forge as run_forge
 
-    setup_logging(log_level)
     report = run_forge(Path(out), RECIPES[recipe], reuse_target=reuse_target)
     click.echo(json.dumps(report, indent=2))
 

@@ -1,4 +1,5 @@
-"""Where macspec keeps its state: $MACSPEC_HOME/state, else the platform's user state dir."""
+"""Where macspec keeps its state and caches: $MACSPEC_HOME/{state,cache}, else the platform's
+user state and cache dirs."""
 
 from __future__ import annotations
 
@@ -18,6 +19,19 @@ def state_dir() -> Path:
         import platformdirs
 
         path = Path(platformdirs.user_state_dir("macspec"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cache_dir() -> Path:
+    """Rebuildable files (built:NAME model dirs): safe to delete, rebuilt on next use."""
+    home = os.environ.get(HOME_ENV)
+    if home:
+        path = Path(home) / "cache"
+    else:
+        import platformdirs
+
+        path = Path(platformdirs.user_cache_dir("macspec"))
     path.mkdir(parents=True, exist_ok=True)
     return path
 

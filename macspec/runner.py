@@ -66,6 +66,12 @@ class TargetRunner:
         mx.eval(logits, hidden)
         return logits, hidden
 
+    def forward_lazy(self, tokens: mx.array) -> tuple[mx.array, mx.array]:
+        """decode() without evaluating: the engine reads the result back with the drafts and the
+        acceptance in one sync (one process only: peers need the tokens as ints)."""
+        self.kv.begin(tokens.shape[1])
+        return self.view.forward(tokens, self.kv.layers)
+
     def advance(self, counts: list[int]) -> None:
         """Row i keeps counts[i] of the positions the last decode wrote (the rest roll back)."""
         for index, count in enumerate(counts):

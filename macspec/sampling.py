@@ -53,14 +53,18 @@ class SamplingParams:
         return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
 
 
-def penalize(logits: mx.array, history: list[int], params: SamplingParams) -> mx.array:
-    """Repetition penalty (CTRL-style, as mlx-lm) over the last `repetition_context_size` tokens."""
-    if not params.has_penalty or not history:
+def penalize(logits: mx.array, history, params: SamplingParams) -> mx.array:
+    """Repetition penalty (CTRL-style, as mlx-lm) over the last `repetition_context_size` tokens.
+    `history` is a list of ids or an int array (lazy draft tokens included): each distinct id
+    is penalized once, so both spellings of the same history give the same logits."""
+    if not params.has_penalty or len(history) == 0:
         return logits
-    idx = mx.array(sorted(set(history[-params.repetition_context_size:])))
+    ids = mx.array(history) if isinstance(history, list) else history
+    ids = ids[-params.repetition_context_size:]
+    seen = mx.zeros(logits.shape[-1], dtype=mx.int32).at[ids].add(1) > 0
     pen = params.repetition_penalty
-    factor = mx.where(logits[idx] < 0, pen, 1.0 / pen)
-    return logits.at[idx].multiply(factor)
+    factor = mx.where(logits < 0, pen, 1.0 / pen)
+    return mx.where(seen, logits * factor, logits)
 
 
 def _filter(logprobs: mx.array, params: SamplingParams) -> mx.array:
@@ -111,15 +115,19 @@ class Rng:
         return sub
 
 
-def history_row(committed: list[int], drafts: list[int], params: SamplingParams) -> list[int]:
-    """What the penalty sees at the position after `committed + drafts` (only its tail)."""
+def history_row(committed: list[int], drafts, params: SamplingParams):
+    """What the penalty sees at the position after `committed + drafts` (only its tail);
+    `drafts` is a list of ids or an int array (a lazy draft chain)."""
     if not params.has_penalty:
         return []
     size = params.repetition_context_size
-    return (committed[-size:] + drafts)[-size:]
+    if isinstance(drafts, list):
+        return (committed[-size:] + drafts)[-size:]
+    return mx.concatenate([mx.array(committed[-size:], dtype=mx.int32),
+                           drafts.astype(mx.int32)])[-size:]
 
 
-def histories_for(committed: list[int], drafts: list[int], rows: int,
-                  params: SamplingParams) -> list[list[int]]:
+def histories_for(committed: list[int], drafts, rows: int,
+                  params: SamplingParams) -> list:
     """Row j of a verify window sees the committed tokens plus the first j drafts."""
     return [history_row(committed, drafts[:j], params) for j in range(rows)]

@@ -183,7 +183,7 @@ def test_dir_without_config_is_rejected(tmp_path):
 
 
 def test_widened_stand_in_preserves_logits_and_mtp():
-    from macspec.forge.widen import widen_mtp_head, widen_target
+    from macspec.models.widen import widen_mtp_head, widen_target
     from macspec.models.view import ModelView
 
     target = load_model("embedded:tiny-target")

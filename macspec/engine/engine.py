@@ -21,11 +21,11 @@ from ..kv.prefix import PrefixCache
 from ..monitor.memory import MB, KVBudget, kv_bytes_per_token, usage
 from ..runner import TargetRunner
 from ..sampling import Rng, SamplingParams
-from ..spec.base import Proposal
-from ..spec.controller import RowController
+from ..spec.base import ChainGroup, ChainRow, Drafts, ProposerGroup
+from ..spec.controller import RowController, observe_acceptance
 from ..spec.planner import BatchPlanner
 from ..spec.stats import SpecStats
-from ..spec.verify import accept_greedy_choices, verify_greedy, verify_sampling
+from ..spec.verify import verify_greedy, verify_greedy_batch, verify_sampling
 from . import faults
 from .faults import SpecFaults
 from .request import Event, Failed, Finished, GenerationRequest, Tokens
@@ -36,6 +36,7 @@ from .sequence import GenerationStats, Sequence
 logger = logging.getLogger(__name__)
 
 STATS_LOG_INTERVAL_S = 30.0
+PRIOR_WEIGHT = 0.02  # a request's step moves the method's population prior this much
 
 
 @dataclass
@@ -72,6 +73,10 @@ class Engine:
                        "prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
         self.spec_totals: dict[str, SpecStats] = {}
         self.spec_faults = SpecFaults()
+        self.groups: dict[str, ProposerGroup] = {}  # method -> its proposer for all rows
+        # Acceptance per draft position by method, across requests: a new request starts here.
+        self.priors: dict[str, list[float]] = {}
+        self.host_syncs = 0  # host syncs in decode steps (one per step without TP)
         self.batch_histogram: dict[int, int] = {}
         self.live_counts = {"running": 0, "prefilling": 0, "waiting": 0}  # replaced, never mutated
         self._last_log = time.perf_counter()
@@ -121,7 +126,7 @@ class Engine:
         spec = self.runtime.profile.speculative
         method = req.method or self.runtime.method
         self.runtime.ensure_method(method)
-        proposer = self.runtime.make_proposer(method) if method != "none" else None
+        proposer = self._group(method) if method != "none" else None
         k_max = spec.num_draft_tokens if req.num_draft is None else req.num_draft
         if proposer is None:
             k_max = 0
@@ -135,7 +140,8 @@ class Engine:
                 f"this request needs {need / MB:.1f} MB of KV at full length (prompt {len(req.prompt)} "
                 f"+ max_tokens {req.max_tokens} tokens) but the server's KV budget is "
                 f"{self.memory.budget / MB:.1f} MB ({self.memory.source}); lower max_tokens", "max_tokens")
-        row = RowController(k_max, adaptive, method, spec.probe_min_steps, spec.probe_max_steps)
+        row = RowController(k_max, adaptive, method, spec.probe_min_steps, spec.probe_max_steps,
+                            prior=self.priors.get(method))
         stats = GenerationStats(method if proposer else "none", k_max)
         eos = set(req.stop_token_ids)
         if not req.ignore_eos:
@@ -188,7 +194,7 @@ class Engine:
         self.totals["prompt_tokens"] += len(chunk)
         if seq.prefill_done < len(seq.prompt):
             return
-        first = self._accept(seq, logits, Proposal([]), None)[1]
+        first = self._row_verdict(seq, logits, mx.array([], dtype=mx.int32), None).tolist()[1]
         seq.stats.prompt_tokens = len(seq.prompt)
         seq.stats.ttft_s = time.perf_counter() - seq.started
         seq.decode_started = time.perf_counter()
@@ -196,60 +202,104 @@ class Engine:
         self.totals["generated_tokens"] += min(1, seq.stats.generated_tokens)
         if not seq.finished and seq.proposer is not None:
             hidden_rows = mx.concatenate(seq.hidden_chunks) if seq.hidden_chunks else None
-            self._guard(seq, "proposer_start", seq.proposer.start, seq.prompt, hidden_rows,
-                        hidden_start=seq.reused_prefix)
+            self._guard(seq, "proposer_start", seq.proposer.join, seq.request.id, seq.committed,
+                        hidden_rows, hidden_start=seq.reused_prefix)
         seq.hidden_chunks = []
         self.scheduler.prefilled(seq)
         if seq.finished:
             self._close(seq)
 
     def _decode_step(self) -> None:
+        """Plan, draft (every proposer for all of its rows at once), verify, commit. Without
+        tensor parallelism the drafts, the target forward and the acceptance are one lazy graph
+        read back in a single host sync."""
         rows = self.scheduler.running
+        t_start = time.perf_counter()
+        self._retain_group_rows(rows)
         ks = self._plan(rows)
-        proposals = [self._propose(seq, k) for seq, k in zip(rows, ks)]
-        t_proposed = time.perf_counter()
-        window = max(len(p.tokens) for p in proposals) + 1
-        tokens = [[seq.committed[-1], *p.tokens] + [0] * (window - 1 - len(p.tokens))
-                  for seq, p in zip(rows, proposals)]
+        drafts = self._propose(rows, ks)
+        ks = [min(k, _draft_length(d)) if d is not None else 0 for k, d in zip(ks, drafts)]
+        window = max(ks) + 1
+        tokens = self._window_tokens(rows, ks, drafts, window)
         faults.check("decode")
-        logits, hidden = self.runner.decode(len(rows), window, [t for row in tokens for t in row])
-        greedy_choice = self._greedy_choices(rows, logits)
-        kept = []
-        t_forward = time.perf_counter()
-        for i, (seq, proposal) in enumerate(zip(rows, proposals)):
-            choice = greedy_choice[i] if greedy_choice is not None and _plain_greedy(seq) else None
-            n, token = self._accept(seq, logits[i, :len(proposal.tokens) + 1], proposal, choice)
+        if self.tp is None:
+            logits, hidden = self.runner.forward_lazy(tokens)
+        else:  # the workers' plan carries the tokens as ints
+            flat = self._sync(tokens).tolist()
+            logits, hidden = self.runner.decode(len(rows), window, [t for row in flat for t in row])
+        verdicts = self._verdicts(rows, ks, drafts, tokens, logits)
+        host = self._sync(mx.concatenate([verdicts, tokens[:, 1:]], axis=1), *self._group_arrays()).tolist()
+        t_synced = time.perf_counter()
+        kept, accepted = [], {}
+        for i, seq in enumerate(rows):
+            n, token, proposed = host[i][0], host[i][1], host[i][2:2 + ks[i]]
             kept.append(n + 1)
-            new = proposal.tokens[:n] + [token]
-            self._observe_row(seq, len(proposal.tokens), n, len(new), hidden[i, :n + 1])
+            accepted[seq.request.id] = n
+            new = proposed[:n] + [token]
+            self._observe_row(seq, ks[i], n, len(new), hidden[i, :n + 1])
             before = seq.stats.generated_tokens
             seq.commit(new)
             self.totals["generated_tokens"] += seq.stats.generated_tokens - before
+        self._settle_groups(accepted)
         self.runner.advance(kept)
         t_end = time.perf_counter()
+        drafting = self._guard(None, "cost_model", self.planner.draft_seconds,
+                               [s.row for s in rows], ks) or 0.0
         self._guard(None, "cost_model", self.planner.observe_step, len(rows), window,
-                    t_forward - t_proposed, t_end - t_forward)
+                    max(t_synced - t_start - drafting, 0.0), t_end - t_synced)
         self.totals["steps"] += 1
         self.batch_histogram[len(rows)] = self.batch_histogram.get(len(rows), 0) + 1
         for index in reversed(range(len(rows))):
             if rows[index].finished:
                 self._close(self.scheduler.remove_row(index, keep_prefix=True))
 
-    @staticmethod
-    def _greedy_choices(rows: list[Sequence], logits: mx.array) -> list | None:
-        """One argmax over the batch for the greedy rows without penalties (one host sync)."""
-        if any(_plain_greedy(s) for s in rows):
-            return mx.argmax(logits, axis=-1).tolist()
-        return None
+    def _sync(self, out: mx.array, *more) -> mx.array:
+        """Evaluate (one host round trip), counted: the bench reports syncs per step."""
+        mx.eval(out, *more)
+        self.host_syncs += 1
+        return out
 
-    def _accept(self, seq: Sequence, logits: mx.array, proposal: Proposal,
-                greedy_choice: list[int] | None) -> tuple[int, int]:
-        if greedy_choice is not None:
-            return accept_greedy_choices(greedy_choice[:len(proposal.tokens) + 1], proposal.tokens)
+    def _window_tokens(self, rows: list[Sequence], ks: list[int], drafts: list, window: int) -> mx.array:
+        """[B, window]: each row's last token, then its drafts, padded (padding is never kept)."""
+        host = [[seq.committed[-1]] + [0] * (window - 1) for seq in rows]
+        lazy: dict[int, list[tuple[int, mx.array]]] = {}  # draft width -> (row, tokens)
+        for i, d in enumerate(drafts):
+            if d is None or not ks[i]:
+                continue
+            if isinstance(d.tokens, list):
+                host[i][1:1 + ks[i]] = d.tokens[:ks[i]]
+            else:
+                lazy.setdefault(d.tokens.shape[0], []).append((i, d.tokens))
+        tokens = mx.array(host, dtype=mx.int32)
+        for width, items in lazy.items():
+            index = mx.array([i for i, _ in items])
+            tokens[index, 1:1 + width] = mx.stack([t for _, t in items]).astype(mx.int32)
+        return tokens
+
+    def _verdicts(self, rows: list[Sequence], ks: list[int], drafts: list, tokens: mx.array,
+                  logits: mx.array) -> mx.array:
+        """[B, 2] (accepted, next token) for every row, lazily: plain greedy rows by one batched
+        argmax, the others (sampling, penalties) one by one."""
+        proposed = tokens[:, 1:]
+        special = [i for i, seq in enumerate(rows) if not _plain_greedy(seq)]
+        if len(special) < len(rows):
+            verdicts = verify_greedy_batch(mx.argmax(logits, axis=-1), proposed, mx.array(ks))
+        else:
+            verdicts = mx.zeros((len(rows), 2), dtype=mx.int32)
+        if special:
+            rows_out = [self._row_verdict(rows[i], logits[i, :ks[i] + 1], proposed[i, :ks[i]],
+                                          drafts[i].q if drafts[i] is not None and ks[i] else None)
+                        for i in special]
+            verdicts[mx.array(special)] = mx.stack(rows_out)
+        return verdicts
+
+    @staticmethod
+    def _row_verdict(seq: Sequence, logits: mx.array, proposed: mx.array, q) -> mx.array:
         if seq.params.is_greedy:
-            return verify_greedy(logits, proposal.tokens, seq.committed, seq.params)
-        return verify_sampling(logits, proposal.tokens, proposal.q, seq.committed,
-                               seq.params, seq.rng)
+            return verify_greedy(logits, proposed, seq.committed, seq.params)
+        if q is not None:
+            q = q[:proposed.shape[0]]
+        return verify_sampling(logits, proposed, q, seq.committed, seq.params, seq.rng)
 
     # ---- speculation bookkeeping: a fault here costs speculation, never the request ---------
     def _guard(self, seq: Sequence | None, source: str, fn, *args, **kwargs):
@@ -261,52 +311,103 @@ class Engine:
         except Exception as exc:
             if seq is not None and source.startswith("propos"):
                 source = f"proposer:{seq.method}"
-                seq.proposer = None
-                seq.row.k_max = 0
+                self._drop_proposer(seq)
             self.spec_faults.record(source, exc)
             return None
+
+    def _drop_proposer(self, seq: Sequence) -> None:
+        """This row decodes plainly from now on; its group forgets it."""
+        group, seq.proposer = seq.proposer, None
+        seq.row.k_max = 0
+        if group is not None:
+            try:
+                group.leave(seq.request.id)
+            except Exception:  # the group's own state is suspect: the next fault drops it
+                logger.debug("leaving group %s", group.method, exc_info=True)
 
     def _plan(self, rows: list[Sequence]) -> list[int]:
         ks = self._guard(None, "plan", self.planner.plan, [s.row for s in rows])
         if ks is None or len(ks) != len(rows):
             return [0] * len(rows)
-        return [max(0, int(k)) for k in ks]
+        return [min(max(0, int(k)), seq.room(self.max_context)) if seq.proposer is not None else 0
+                for k, seq in zip(ks, rows)]
 
     def _observe_row(self, seq: Sequence, drafted: int, accepted: int, emitted: int, hidden) -> None:
         seq.stats.spec.observe_step(drafted, accepted, emitted)
         self._spec_totals(seq.method).observe_step(drafted, accepted, emitted)
         if seq.proposer is not None and seq.proposer.needs_hidden:
-            self._guard(seq, "proposer_observe", seq.proposer.observe, hidden)
+            self._guard(seq, "proposer_observe", seq.proposer.observe, seq.request.id, hidden)
         self._guard(None, "controller", self._observe_controller, seq.row, drafted, accepted)
 
     def _observe_controller(self, row: RowController, drafted: int, accepted: int) -> None:
         if row.k_max == 0:  # plain decoding: nothing to decide
             return
         row.observe(drafted, accepted, not row.adaptive or self.planner.pays_alone(row))
+        if drafted:
+            prior = self.priors.setdefault(row.method, list(row.alphas))
+            observe_acceptance(prior, drafted, accepted, PRIOR_WEIGHT)
 
-    def _propose(self, seq: Sequence, k: int) -> Proposal:
-        k = min(k, seq.room(self.max_context))
-        if not k or seq.proposer is None:
-            return Proposal([])
-        t0 = time.perf_counter()
-        proposal = self._guard(seq, "propose", self._checked_proposal, seq, k)
-        if proposal is None:
-            return Proposal([])
-        self._guard(None, "cost_model", self.planner.observe_proposer, seq.method, k,
-                    time.perf_counter() - t0)
-        return proposal
+    # ---- proposers: one group per method, holding every running row of that method ---------
+    def _group(self, method: str) -> ProposerGroup:
+        if method not in self.groups:
+            self.groups[method] = self.runtime.make_group(method, self.vocab_size)
+        return self.groups[method]
 
-    def _checked_proposal(self, seq: Sequence, k: int) -> Proposal:
-        proposal = seq.proposer.propose(seq.committed, k, seq.params, seq.rng)
-        tokens = [int(t) for t in proposal.tokens[:k]]
-        if any(t < 0 or t >= self.vocab_size for t in tokens):
-            raise ValueError(f"proposed token id out of range [0, {self.vocab_size})")
-        q = proposal.q
-        if q is not None:
-            q = q[:len(tokens)]
-            if q.shape[0] != len(tokens):
-                raise ValueError(f"proposal has {len(tokens)} tokens but {q.shape[0]} q rows")
-        return Proposal(tokens, q)
+    def _retain_group_rows(self, rows: list[Sequence]) -> None:
+        """Rows that left the batch (finished, cancelled, failed) leave their group."""
+        for method, group in list(self.groups.items()):
+            live = {s.request.id for s in rows if s.proposer is group}
+            for key in group.keys:
+                if key not in live:
+                    self._guard_group(method, "proposer_observe", group.leave, key)
+
+    def _propose(self, rows: list[Sequence], ks: list[int]) -> list[Drafts | None]:
+        """Each group drafts for all of its rows; a fault costs that group's rows their drafts."""
+        out: list[Drafts | None] = [None] * len(rows)
+        for method, group in list(self.groups.items()):
+            members = [(i, s) for i, s in enumerate(rows) if s.proposer is group]
+            if not any(ks[i] for i, _ in members):
+                continue
+            t0 = time.perf_counter()
+            chain = [ChainRow(s.request.id, s.committed, ks[i], s.params, s.rng) for i, s in members]
+            drafts = self._guard_group(method, "propose", self._checked_drafts, group, chain)
+            if drafts is None:
+                continue
+            if not isinstance(group, ChainGroup):  # host proposers are timed here
+                self._guard(None, "cost_model", self.planner.observe_proposer, method,
+                            max(ks[i] for i, _ in members), time.perf_counter() - t0)
+            for i, s in members:
+                out[i] = drafts.get(s.request.id)
+        return out
+
+    def _checked_drafts(self, group: ProposerGroup, chain: list[ChainRow]) -> dict[int, Drafts]:
+        drafts = group.propose(chain)
+        for d in drafts.values():
+            if isinstance(d.tokens, list) and any(t < 0 or t >= self.vocab_size for t in d.tokens):
+                raise ValueError(f"proposed token id out of range [0, {self.vocab_size})")
+        return drafts
+
+    def _settle_groups(self, accepted: dict[int, int]) -> None:
+        for method, group in list(self.groups.items()):
+            self._guard_group(method, "proposer_observe", group.settle, accepted)
+
+    def _group_arrays(self) -> list:
+        return [a for group in self.groups.values() for a in group.cache_arrays()]
+
+    def _guard_group(self, method: str, source: str, fn, *args):
+        """A group's fault: its state is unknown, so every row it held decodes plainly from now
+        on (new requests get a fresh group); counted and logged once like any fault."""
+        try:
+            faults.check(source)
+            return fn(*args)
+        except Exception as exc:
+            group = self.groups.pop(method, None)
+            for seq in [*self.scheduler.running, *self.scheduler.prefilling]:
+                if group is not None and seq.proposer is group:
+                    seq.proposer = None
+                    seq.row.k_max = 0
+            self.spec_faults.record(f"proposer:{method}", exc)
+            return None
 
     # ---- ends ----------------------------------------------------------------------------
     def _close(self, seq: Sequence, reason: str | None = None) -> None:
@@ -314,6 +415,8 @@ class Engine:
         self._release_kv(seq)
         key = "cancelled" if seq.stats.finish_reason == "cancelled" else "completed"  # "stop" completes
         self.totals[key] += 1
+        if seq.proposer is not None:
+            self._guard_group(seq.method, "proposer_observe", seq.proposer.leave, seq.request.id)
         seq.proposer = None
 
     def _fail_prefill(self, seq: Sequence, exc: Exception) -> None:
@@ -335,6 +438,7 @@ class Engine:
 
     def fail_running(self, exc: Exception) -> None:
         """A decode step failed: every admitted request gets the error; the batch starts over."""
+        self.groups.clear()  # every row is gone; fresh groups for the next requests
         for seq in self.scheduler.clear_running():
             self._fail(seq, exc)
 
@@ -440,7 +544,35 @@ class Engine:
                 # The first run of a shape pays one-off costs.
                 for seconds in self.runner.time_forward(rows, window, 3)[1:]:
                     self.planner.forward.observe(rows, window, seconds)
-        logger.info("calibrated target forward cost (ms): %s", self.planner.as_dict()["forward_ms"])
+        for method in {self.runtime.method} & {"draft", "mtp"}:
+            self._guard_group(method, "cost_model", self._calibrate_chain, method, k_max)
+        costs = self.planner.as_dict()
+        logger.info("calibrated step costs (ms): target %s, draft chain %s", costs["forward_ms"],
+                    costs["draft_chain_step_ms"])
+
+    def _calibrate_chain(self, method: str, k_max: int) -> None:
+        """Seconds per chain step of `method`'s proposer at one row and at four (scratch rows)."""
+        width = self.view.inner.norm.weight.shape[0]
+        seconds = {}
+        for count in (1, 4):
+            group = self.runtime.make_group(method, self.vocab_size)
+            committed = list(range(1, 18))
+            hidden = mx.zeros((16, width)) if group.needs_hidden else None
+            for key in range(count):
+                group.join(key, committed, hidden)
+            times = []
+            for _ in range(3):
+                rows = [ChainRow(key, committed, k_max, SamplingParams(), Rng(0)) for key in range(count)]
+                for key in range(count):
+                    group.observe(key, mx.zeros((1, width)))
+                t0 = time.perf_counter()
+                drafts = group.propose(rows)
+                mx.eval([d.tokens for d in drafts.values()], group.cache_arrays())
+                times.append((time.perf_counter() - t0) / k_max)
+                group.settle({})
+                committed = committed + [1]
+            seconds[count] = min(times[1:])
+        self.planner.calibrate_proposer(method, seconds[1], 4, seconds[4])
 
     def _spec_totals(self, method: str) -> SpecStats:
         if method not in self.spec_totals:
@@ -479,6 +611,8 @@ class Engine:
             "speculation": {m: st.as_dict() for m, st in self.spec_totals.items()},
             "speculation_faults": self.spec_faults.as_dict(),
             "rows": {"k_in_use": [seq.row.last_k for seq in rows], "states": states},
+            "host_syncs_per_step": round(self.host_syncs / max(1, self.totals["steps"]), 3),
+            "acceptance_priors": {m: [round(a, 3) for a in p] for m, p in self.priors.items()},
             "cost_model": self.planner.as_dict(),
             "prefix_cache": s.prefix_cache.as_dict(),
             "kv_cache_bytes": self.runner.kv.nbytes(),
@@ -512,6 +646,10 @@ def _collector(completion: Completion):
 def _dtype_bytes(model) -> int:
     """The compute dtype's size (the KV's): norms stay unquantized, unlike embeddings."""
     return model.model.norm.weight.dtype.size
+
+
+def _draft_length(drafts: Drafts) -> int:
+    return len(drafts.tokens) if isinstance(drafts.tokens, list) else drafts.tokens.shape[0]
 
 
 def _plain_greedy(seq: Sequence) -> bool:

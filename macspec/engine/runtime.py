@@ -13,10 +13,10 @@ from ..models.mtp import MTPHead
 from ..models.view import ModelView
 from ..monitor.memory import apply_wired_limit
 from ..progress import phase
-from ..spec.base import Proposer
-from ..spec.draft import DraftProposer
-from ..spec.mtp import MTPProposer
-from ..spec.ngram import NgramProposer
+from ..spec.base import ProposerGroup
+from ..spec.draft import DraftGroup
+from ..spec.mtp import MTPGroup
+from ..spec.ngram import NgramGroup
 
 logger = logging.getLogger(__name__)
 
@@ -40,17 +40,16 @@ class Runtime:
     def tokenizer(self):
         return self.target.tokenizer
 
-    def make_proposer(self, method: str | None = None) -> Proposer | None:
-        """A fresh proposer for one sequence; `method` defaults to the profile's."""
-        method = method or self.method
+    def make_group(self, method: str, vocab_size: int) -> ProposerGroup:
+        """A fresh proposer for every row of `method` (the engine holds one per method)."""
         spec = self.profile.speculative
         if method == "draft":
-            return DraftProposer(self.draft.model, self.profile.kv.prefill_chunk)
+            return DraftGroup(self.draft.model, vocab_size, self.profile.kv.prefill_chunk)
         if method == "mtp":
-            return MTPProposer(self.mtp_head, self.view)
+            return MTPGroup(self.mtp_head, self.view, vocab_size)
         if method == "ngram":
-            return NgramProposer(spec.ngram_max, spec.ngram_min)
-        return None
+            return NgramGroup(spec.ngram_max, spec.ngram_min)
+        raise ValueError(f"no proposer for method {method!r}")
 
     def ensure_method(self, method: str) -> None:
         """Load what `method` needs when a request asks for one the profile did not load."""

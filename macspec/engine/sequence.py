@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ..sampling import Rng
-from ..spec.base import Proposer
+from ..spec.base import ProposerGroup
 from ..spec.controller import RowController
 from ..spec.stats import SpecStats
 from .request import Event, Failed, Finished, GenerationRequest, Tokens, emit_safely
@@ -64,7 +64,7 @@ def take_until_finish(stats: GenerationStats, new: list[int], eos: set[int], max
 class Sequence:
     request: GenerationRequest
     method: str
-    proposer: Proposer | None
+    proposer: ProposerGroup | None  # its method's group, None = plain
     row: RowController | None
     stats: GenerationStats
     rng: Rng

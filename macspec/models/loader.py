@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import ModelLoadError, UnsupportedModelError
+from .built import BUILT_PREFIX, ensure_built, find_built
 from .mtp import MTPHead, make_block_like
 from .view import ModelView
 
@@ -44,7 +45,10 @@ def embedded_names() -> list[str]:
 
 
 def resolve_path(spec: str, revision: str | None = None) -> Path:
-    """embedded:NAME -> the shipped dir; an existing path -> itself; else a Hugging Face id."""
+    """embedded:NAME -> the shipped dir; built:NAME -> its cached dir (built on first use); an
+    existing path -> itself; else a Hugging Face id."""
+    if spec.startswith(BUILT_PREFIX):
+        return ensure_built(spec[len(BUILT_PREFIX):])
     if spec.startswith(EMBEDDED_PREFIX):
         name = spec[len(EMBEDDED_PREFIX):]
         path = embedded_dir() / name
@@ -63,7 +67,12 @@ def resolve_path(spec: str, revision: str | None = None) -> Path:
 
 
 def find_local_model(spec: str) -> Path | None:
-    """The model's directory if it is on this machine already; never downloads."""
+    """The model's directory if it is on this machine already; never downloads or builds."""
+    if spec.startswith(BUILT_PREFIX):
+        try:
+            return find_built(spec[len(BUILT_PREFIX):])
+        except ModelLoadError:
+            return None
     if spec.startswith(EMBEDDED_PREFIX) or Path(spec).expanduser().exists():
         try:
             return resolve_path(spec)

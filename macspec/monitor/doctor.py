@@ -59,6 +59,7 @@ class Doctor:
         self.checks: list[Check] = []
         self.model_dirs: dict[str, Path | None] = {}
         self.model_configs: dict[str, dict] = {}  # config.json of each model found
+        self.unbuilt: list[str] = []  # built:NAME refs that the first run will build
 
     @property
     def macos(self) -> bool:
@@ -148,8 +149,23 @@ class Doctor:
         self._mtp_check()
 
     def _model_check(self, role: str, ref: str) -> Path | None:
+        from ..errors import ModelLoadError
+        from ..models.built import BUILT_PREFIX, built_dir
         from ..models.loader import find_local_model
 
+        if ref.startswith(BUILT_PREFIX) and find_local_model(ref) is None:
+            name = ref[len(BUILT_PREFIX):]
+            try:
+                where = built_dir(name)
+            except ModelLoadError as err:
+                self.add(f"{role} model", FAIL, str(err), f"check model path {ref!r} in "
+                         f"{self.profile.source}")
+                return None
+            # Not an error: the first run builds it in seconds; sizes are checked once it exists.
+            self.unbuilt.append(ref)
+            self.add(f"{role} model", OK, f"{ref}: not built yet; the first run builds it into "
+                     f"{where} (or now: macspec forge {name})")
+            return None
         local = Path(ref).expanduser()
         if not ref.startswith("embedded:") and local.exists():
             problem = invalid_model_reason(local)
@@ -212,6 +228,9 @@ class Doctor:
         from .memory import device_limits
 
         target = self.model_dirs.get("target")
+        if target is None and self.profile.model.path in self.unbuilt:
+            self.add("fits in memory", NA, f"{self.profile.model.path} is sized once it is built")
+            return
         if target is None:
             self.add("fits in memory", WARN, "cannot size the target model: see the target model check")
             return

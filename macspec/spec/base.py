@@ -1,4 +1,11 @@
-"""The proposer interface: something that guesses the target's next k tokens."""
+"""Proposers: something that guesses the target's next k tokens, for every row of a batch.
+
+A proposer serves all running rows of its method at once (a `ProposerGroup`): the engine asks
+it for drafts for the whole batch, verifies them, then tells it how many each row kept. Model
+proposers (a draft model, an MTP head) run one forward per chain step over all their rows and
+build the chain lazily, so the drafts, the target's verification and the acceptance are
+evaluated together in the step's single host sync.
+"""
 
 from __future__ import annotations
 
@@ -7,56 +14,149 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from typing import Callable
-
-from ..sampling import (Rng, SamplingParams, history_row, processed_logits,
-                               processed_logprobs)
+from ..kv.batched import BatchKV
+from ..sampling import Rng, SamplingParams, history_row, processed_logits, processed_logprobs
 
 
 @dataclass
-class Proposal:
-    tokens: list[int]
-    # Processed draft probabilities [k, V] for rejection sampling; None = deterministic proposal.
+class ChainRow:
+    """One row's part in this step's proposal."""
+
+    key: int  # the request id
+    committed: list[int]  # every token so far, prompt included
+    k: int  # drafts it will verify (0: the row only keeps its proposer state current)
+    params: SamplingParams
+    rng: Rng
+
+
+@dataclass
+class Drafts:
+    tokens: mx.array | list[int]  # [K >= k] lazy ids, or host ids (a lookup proposer)
+    # Processed draft probabilities [k, V] for rejection sampling; None = deterministic.
     q: mx.array | None = None
 
 
-class Proposer(ABC):
-    name: str = "base"
+class ProposerGroup(ABC):
+    method: str = "base"
     needs_hidden: bool = False  # wants the target's hidden states after every forward
 
     @abstractmethod
-    def start(self, prompt: list[int], prompt_hidden: mx.array | None,
-              hidden_start: int = 0) -> None:
-        """A new sequence whose prompt the target has just prefilled; `prompt_hidden` holds the
-        target's states from position `hidden_start` on (earlier ones came from a prefix cache)."""
+    def join(self, key: int, committed: list[int], prompt_hidden: mx.array | None,
+             hidden_start: int = 0) -> None:
+        """A new row whose prompt the target has just prefilled and whose first token is
+        committed; `prompt_hidden` holds the target's states from position `hidden_start` on
+        (earlier ones came from a prefix cache)."""
 
     @abstractmethod
-    def propose(self, committed: list[int], k: int, params: SamplingParams, rng: Rng) -> Proposal:
-        """Up to k tokens that follow `committed` (all tokens so far, prompt included)."""
+    def leave(self, key: int) -> None:
+        """Forget a row (finished, cancelled, or its speculation was dropped)."""
 
-    def observe(self, hidden: mx.array) -> None:
+    @property
+    @abstractmethod
+    def keys(self) -> list[int]:
+        """The rows it holds."""
+
+    @abstractmethod
+    def propose(self, rows: list[ChainRow]) -> dict[int, Drafts]:
+        """Drafts for the rows with k > 0 (lazy where the proposer is a model). `rows` covers
+        every row the group holds."""
+
+    def settle(self, accepted: dict[int, int]) -> None:
+        """After verification: row key -> how many of its drafts were accepted."""
+
+    def observe(self, key: int, hidden: mx.array) -> None:
         """After a target forward (only when `needs_hidden`): the target's states [n, H] for the
         positions just before each of the n tokens that step committed."""
 
+    def cache_arrays(self) -> list:
+        """Arrays to evaluate with the step (the proposer's own caches)."""
+        return []
 
 
+class ChainGroup(ProposerGroup):
+    """A model proposer over a batched KV: step 0 feeds each row what it has not seen yet,
+    then each chain step feeds every row its own previous draft."""
 
-def decode_chain(logits: mx.array, k: int, committed: list[int], params: SamplingParams,
-                 rng: Rng, advance: Callable[[int], mx.array]) -> Proposal:
-    """Pick k tokens autoregressively from a proposer's logits [V]; `advance(token)` returns the
-    proposer's logits for the position after `token`. At T > 0 the tokens are sampled from the
-    proposer's processed distribution q, which rejection sampling needs alongside them."""
-    tokens: list[int] = []
-    q_rows = []
-    for j in range(k):
-        history = [history_row(committed, tokens, params)]
-        if params.is_greedy:
-            token = mx.argmax(processed_logits(logits[None], history, params)[0])
-        else:
-            logq = processed_logprobs(logits[None], history, params)[0]
-            token = mx.random.categorical(logq, key=rng.next())
-            q_rows.append(mx.exp(logq))
-        tokens.append(token.item())
-        if j + 1 < k:
-            logits = advance(tokens[-1])
-    return Proposal(tokens, mx.stack(q_rows) if q_rows else None)
+    def __init__(self, kv: BatchKV, vocab_size: int):
+        self.kv = kv
+        self.vocab_size = vocab_size  # the target's: drafts beyond it could never be accepted
+        self.row_keys: list[int] = []
+        self.depth = 0  # chain steps fed in the last proposal (rolled back by settle)
+
+    @property
+    def keys(self) -> list[int]:
+        return list(self.row_keys)
+
+    def _add(self, key: int, cache: list, length: int) -> None:
+        self.kv.add_row(cache, length)
+        self.row_keys.append(key)
+
+    def leave(self, key: int) -> None:
+        if key in self.row_keys:
+            index = self.row_keys.index(key)
+            self.kv.remove_row(index)
+            del self.row_keys[index]
+            self._forget(key)
+
+    def _forget(self, key: int) -> None:
+        """Drop per-row state kept beside the KV."""
+
+    @abstractmethod
+    def _first_logits(self, rows: list[ChainRow]) -> mx.array:
+        """Feed each row its unseen inputs; -> logits [n, V] for its first draft."""
+
+    @abstractmethod
+    def _next_logits(self, tokens: mx.array) -> mx.array:
+        """Feed every row its draft `tokens` [n]; -> logits [n, V] for the next draft."""
+
+    def _can_draft(self, row: ChainRow) -> bool:
+        return True
+
+    def propose(self, rows: list[ChainRow]) -> dict[int, Drafts]:
+        by_key = {row.key: row for row in rows}
+        rows = [by_key[key] for key in self.row_keys]  # the KV's row order
+        able = [self._can_draft(row) for row in rows]
+        depth = max((row.k for row, ok in zip(rows, able) if ok), default=0)
+        self.depth = 0
+        if depth == 0:
+            return {}
+        logits = self._first_logits(rows)
+        chain: list[mx.array] = []
+        q_rows: list[list[mx.array]] = [[] for _ in rows]
+        for j in range(depth):
+            chain.append(self._pick(logits[:, :self.vocab_size], rows, chain, q_rows, j))
+            if j + 1 < depth:
+                logits = self._next_logits(chain[-1])
+                self.depth += 1
+        tokens = mx.stack(chain, axis=1)  # [n, depth]
+        return {row.key: Drafts(tokens[i], mx.stack(q_rows[i]) if q_rows[i] else None)
+                for i, row in enumerate(rows) if row.k and able[i]}
+
+    @staticmethod
+    def _pick(logits: mx.array, rows: list[ChainRow], chain: list[mx.array],
+              q_rows: list[list[mx.array]], j: int) -> mx.array:
+        """Draft j for every row: argmax, or processed like the target (penalties, sampling)."""
+        argmax = mx.argmax(logits, axis=-1)
+        special = [i for i, row in enumerate(rows)
+                   if j < row.k and not (row.params.is_greedy and not row.params.has_penalty)]
+        if not special:
+            return argmax
+        picks = [argmax[i] for i in range(len(rows))]
+        for i in special:
+            row = rows[i]
+            drafted = mx.stack([c[i] for c in chain]) if chain else []
+            history = [history_row(row.committed, drafted, row.params)]
+            if row.params.is_greedy:
+                picks[i] = mx.argmax(processed_logits(logits[i:i + 1], history, row.params)[0])
+            else:
+                logq = processed_logprobs(logits[i:i + 1], history, row.params)[0]
+                picks[i] = mx.random.categorical(logq, key=row.rng.next())
+                q_rows[i].append(mx.exp(logq))
+        return mx.stack(picks).astype(argmax.dtype)
+
+    def cache_arrays(self) -> list:
+        return [layer.buffers for layer in self.kv.leaves if layer.buffers is not None]
+
+
+def pad_rows(rows: list[list[int]], width: int) -> mx.array:
+    return mx.array([r + [0] * (width - len(r)) for r in rows], dtype=mx.int32)

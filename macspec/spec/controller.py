@@ -37,9 +37,13 @@ class RowController:
     num_probes: int = 0
     probe_intervals: list[int] = field(default_factory=list)  # each wait before a probe, in order
     last_k: int = 0
+    prior: list[float] | None = None  # the method's acceptance so far across requests
 
     def __post_init__(self):
-        self.alphas = [ALPHA_PRIOR] * self.k_max
+        # Start from what this method achieved for earlier requests: no exploration from scratch.
+        prior = list(self.prior or [])[:self.k_max]
+        self.alphas = prior + [prior[-1] if prior else ALPHA_PRIOR] * (self.k_max - len(prior))
+        self.prior = None
         self.probe_interval = self.probe_min_steps
 
     @property
@@ -106,11 +110,13 @@ def expected_tokens(alphas: list[float], k: int) -> float:
     return total
 
 
-def observe_acceptance(alphas: list[float], k: int, accepted: int) -> None:
+def observe_acceptance(alphas: list[float], k: int, accepted: int, weight: float = ALPHA_WEIGHT) -> None:
     """EWMA of the acceptance at each draft position reached in a step of k drafts."""
+    if len(alphas) < k:
+        alphas.extend([alphas[-1] if alphas else ALPHA_PRIOR] * (k - len(alphas)))
     for i in range(min(accepted + 1, k)):
         hit = 1.0 if i < accepted else 0.0
-        alphas[i] += ALPHA_WEIGHT * (hit - alphas[i])
+        alphas[i] += weight * (hit - alphas[i])
     # Positions beyond the deepest one observed so far are assumed no better than it.
     for i in range(k, len(alphas)):
         if k > 0:

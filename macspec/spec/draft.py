@@ -1,51 +1,59 @@
-"""A smaller model with the target's tokenizer proposes by decoding k tokens ahead."""
+"""A smaller model with the target's tokenizer proposes by decoding k tokens ahead, for every
+row of its method in one forward per chain step."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kv.cache import eval_cache, make_trimmable_cache, trim
-from ..kv.cache import first_divergence
-from .base import Proposal, Proposer, decode_chain
+from ..kv.batched import BatchKV, layout_of
+from ..kv.cache import eval_cache, make_trimmable_cache
+from .base import ChainGroup, ChainRow, pad_rows
 
 
-class DraftProposer(Proposer):
-    name = "draft"
+class DraftGroup(ChainGroup):
+    method = "draft"
 
-    def __init__(self, model: nn.Module, prefill_chunk: int = 512):
+    def __init__(self, model: nn.Module, vocab_size: int, prefill_chunk: int = 512):
+        super().__init__(BatchKV(layout_of(make_trimmable_cache(model))), vocab_size)
         self.model = model
         self.prefill_chunk = prefill_chunk
-        self.cache: list = []
-        self.cached_tokens: list[int] = []
-        self.num_synced = 0  # cached tokens known to be committed (committed only grows)
+        self.fed: dict[int, int] = {}  # row -> committed tokens its KV holds
 
-    def start(self, prompt, prompt_hidden, hidden_start=0) -> None:
-        # The prompt is fed lazily by the first propose(), after the first token is out (TTFT).
-        self.cache = make_trimmable_cache(self.model)
-        self.cached_tokens = []
-        self.num_synced = 0
+    def join(self, key, committed, prompt_hidden, hidden_start=0) -> None:
+        prompt = committed[:-1]  # the first generated token is fed by the first proposal
+        cache = make_trimmable_cache(self.model)
+        for start in range(0, len(prompt), self.prefill_chunk):
+            self.model(mx.array(prompt[start:start + self.prefill_chunk])[None], cache=cache)
+            eval_cache(cache)
+        self._add(key, cache, len(prompt))
+        self.fed[key] = len(prompt)
 
-    def _sync(self, committed: list[int]) -> mx.array:
-        """Roll the cache back to its agreement with `committed`, feed the rest; last logits."""
-        start = self.num_synced
-        agree = start + first_divergence(self.cached_tokens[start:], committed[start:])
-        keep = min(agree, len(committed) - 1)
-        trim(self.cache, len(self.cached_tokens) - keep)
-        del self.cached_tokens[keep:]
-        pending = committed[keep:]
-        for start in range(0, len(pending) - 1, self.prefill_chunk):
-            chunk = pending[start:min(start + self.prefill_chunk, len(pending) - 1)]
-            self.model(mx.array(chunk)[None], cache=self.cache)
-            eval_cache(self.cache)
-        logits = self.model(mx.array(pending[-1:])[None], cache=self.cache)
-        self.cached_tokens.extend(pending)
-        self.num_synced = len(committed)
-        return logits[0, -1]
+    def _forget(self, key: int) -> None:
+        self.fed.pop(key, None)
 
-    def propose(self, committed, k, params, rng) -> Proposal:
-        def advance(token: int) -> mx.array:
-            self.cached_tokens.append(token)
-            return self.model(mx.array([[token]]), cache=self.cache)[0, -1]
+    def _first_logits(self, rows: list[ChainRow]) -> mx.array:
+        pending = [row.committed[self.fed[row.key]:] for row in rows]
+        width = max(len(p) for p in pending)
+        self.kv.begin(width)
+        logits = self.model(pad_rows(pending, width), cache=self.kv.layers)
+        last = mx.array([len(p) - 1 for p in pending])
+        for index, (row, p) in enumerate(zip(rows, pending)):
+            self.kv.advance(index, len(p))
+            self.fed[row.key] += len(p)
+        return logits[mx.arange(len(rows)), last]
 
-        return decode_chain(self._sync(committed), k, committed, params, rng, advance)
+    def _next_logits(self, tokens: mx.array) -> mx.array:
+        self.kv.begin(1)
+        logits = self.model(tokens[:, None], cache=self.kv.layers)[:, 0]
+        for index in range(self.kv.num_rows):
+            self.kv.advance(index, 1)
+        return logits
+
+    def settle(self, accepted: dict[int, int]) -> None:
+        """Keep the chain positions that fed accepted drafts; roll back the rest."""
+        for index, key in enumerate(self.row_keys):
+            keep = min(accepted.get(key, 0), self.depth)
+            self.kv.lengths[index] -= self.depth - keep
+            self.fed[key] += keep
+        self.depth = 0

@@ -1,45 +1,33 @@
-"""The target's own MTP head proposes from the target's last hidden state.
+"""The target's own MTP head proposes from the target's last hidden state, for every row of
+its method in one head forward per chain step.
 
 Position t's MTP input is (h_t, token t+1) and it predicts token t+2. Rows with the target's
 true h_t are kept in the head's cache; for k > 1 the head chains on its own output state, and
-those chained rows are trimmed before the next proposal, once the true states are known.
+those chained positions are rolled back once the step is verified (the true states replace them).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from ..kv.cache import make_trimmable_cache, trim
+from ..kv.batched import BatchKV, layout_of
+from ..kv.cache import eval_cache, make_trimmable_cache
 from ..models.mtp import MTPHead
 from ..models.view import ModelView
-from .base import Proposal, Proposer, decode_chain
+from .base import ChainGroup, ChainRow, pad_rows
 
-MAX_PENDING_ROWS = 2048  # hidden rows buffered while speculation is off
+MAX_PENDING_ROWS = 2048  # hidden rows buffered per row while its group does not draft
 
 
-class MTPProposer(Proposer):
-    name = "mtp"
-    needs_hidden = True
+class MTPRow:
+    """True hidden states not yet fed to the head, and where they start."""
 
-    def __init__(self, head: MTPHead, view: ModelView):
-        self.head = head
-        self.view = view
-        self.cache: list = []
-        self.pending: list[mx.array] = []  # [n, H] blocks of true hidden states, oldest first
+    def __init__(self, next_position: int):
+        self.pending: list[mx.array] = []  # [n, H] blocks, oldest first
         self.num_pending = 0
-        self.next_position = 0  # absolute position of the first pending row
-        self.num_chained = 0
+        self.next_position = next_position  # absolute position of the first pending row
 
-    def start(self, prompt, prompt_hidden, hidden_start=0) -> None:
-        self.cache = make_trimmable_cache(self.view.model)[-1:]
-        self.pending, self.num_pending, self.num_chained = [], 0, 0
-        self.next_position = hidden_start
-        self._add(prompt_hidden)
-
-    def observe(self, hidden) -> None:
-        self._add(hidden)
-
-    def _add(self, rows: mx.array) -> None:
+    def add(self, rows: mx.array) -> None:
         self.pending.append(rows)
         self.num_pending += rows.shape[0]
         excess = self.num_pending - MAX_PENDING_ROWS
@@ -48,28 +36,94 @@ class MTPProposer(Proposer):
             self.pending, self.num_pending = [merged], merged.shape[0]
             self.next_position += excess
 
-    def _feed_pending(self, committed: list[int]) -> tuple[mx.array, mx.array]:
-        trim(self.cache, self.num_chained)
-        self.num_chained = 0
-        hidden = mx.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]
-        start = self.next_position
-        followers = mx.array(committed[start + 1:start + 1 + hidden.shape[0]])
-        hidden = hidden.astype(self.head.eh_proj.weight.dtype)
-        logits, out = self.head(followers[None], hidden[None], self.view, self.cache[0])
-        self.next_position += hidden.shape[0]
+    def take(self) -> mx.array:
+        """The pending rows [n, H]; they count as fed from now on."""
+        rows = mx.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]
+        self.next_position += self.num_pending
         self.pending, self.num_pending = [], 0
-        return logits[0, -1], out[:, -1:]
+        return rows
 
-    def propose(self, committed, k, params, rng) -> Proposal:
-        if not self.num_pending:
-            return Proposal([])
-        logits, state = self._feed_pending(committed)
 
-        def advance(token: int) -> mx.array:
-            nonlocal state
-            chained, out = self.head(mx.array([[token]]), state, self.view, self.cache[0])
-            state = out[:, -1:]
-            self.num_chained += 1
-            return chained[0, -1]
+class MTPGroup(ChainGroup):
+    method = "mtp"
+    needs_hidden = True
 
-        return decode_chain(logits, k, committed, params, rng, advance)
+    def __init__(self, head: MTPHead, view: ModelView, vocab_size: int):
+        self.layout_cache = lambda: make_trimmable_cache(view.model)[-1:]
+        super().__init__(BatchKV(layout_of(self.layout_cache())), vocab_size)
+        self.head = head
+        self.view = view
+        self.rows: dict[int, MTPRow] = {}
+        self.state: mx.array | None = None  # the head's output state chained to the next step
+
+    def join(self, key, committed, prompt_hidden, hidden_start=0) -> None:
+        """Feed the prompt's states into a fresh row, all but the last: its logits make the
+        first proposal, together with whatever the first decode step adds."""
+        cache = self.layout_cache()
+        row = MTPRow(hidden_start)
+        count = 0 if prompt_hidden is None else prompt_hidden.shape[0]
+        if count > 1:
+            hidden = prompt_hidden[:-1].astype(self._dtype)
+            followers = mx.array(committed[hidden_start + 1:hidden_start + count])
+        else:  # nothing to feed yet: one scratch position gives the cache its shapes
+            hidden = mx.zeros((1, self._dtype_width), dtype=self._dtype)
+            followers = mx.array([0])
+        self.head(followers[None], hidden[None], self.view, cache[0])
+        eval_cache(cache)
+        row.next_position += max(0, count - 1)
+        if count:
+            row.add(prompt_hidden[-1:])
+        self._add(key, cache, max(0, count - 1))
+        self.rows[key] = row
+
+    @property
+    def _dtype(self):
+        return self.head.hnorm.weight.dtype
+
+    @property
+    def _dtype_width(self) -> int:
+        return self.head.hnorm.weight.shape[0]
+
+    def _forget(self, key: int) -> None:
+        self.rows.pop(key, None)
+
+    def observe(self, key: int, hidden: mx.array) -> None:
+        if key in self.rows:
+            self.rows[key].add(hidden)
+
+    def _can_draft(self, row: ChainRow) -> bool:
+        return self.rows[row.key].num_pending > 0
+
+    def _first_logits(self, rows: list[ChainRow]) -> mx.array:
+        counts = [self.rows[row.key].num_pending for row in rows]
+        width = max(counts)
+        hidden_rows, followers = [], []
+        for row, count in zip(rows, counts):
+            state = self.rows[row.key]
+            start = state.next_position
+            followers.append(row.committed[start + 1:start + 1 + count])
+            block = state.take() if count else mx.zeros((0, self._dtype_width), dtype=self._dtype)
+            hidden_rows.append(mx.pad(block.astype(self._dtype), [(0, width - count), (0, 0)]))
+        self.kv.begin(width)
+        logits, out = self.head(pad_rows(followers, width), mx.stack(hidden_rows), self.view,
+                                self.kv.layers[0])
+        last = mx.array([max(c - 1, 0) for c in counts])
+        for index, count in enumerate(counts):
+            self.kv.advance(index, count)
+        picked = mx.arange(len(rows))
+        self.state = out[picked, last][:, None]
+        return logits[picked, last]
+
+    def _next_logits(self, tokens: mx.array) -> mx.array:
+        self.kv.begin(1)
+        logits, out = self.head(tokens[:, None], self.state, self.view, self.kv.layers[0])
+        self.state = out
+        for index in range(self.kv.num_rows):
+            self.kv.advance(index, 1)
+        return logits[:, 0]
+
+    def settle(self, accepted: dict[int, int]) -> None:
+        """Chained positions never stay: the next step feeds the true states instead."""
+        for index in range(self.kv.num_rows):
+            self.kv.lengths[index] -= self.depth
+        self.depth, self.state = 0, None

@@ -2,34 +2,53 @@
 
 from __future__ import annotations
 
-from .base import Proposal, Proposer
+from .base import ChainRow, Drafts, ProposerGroup
 
 
-class NgramProposer(Proposer):
-    name = "ngram"
+class NgramIndex:
+    """One row's index: n-gram -> where the token after its latest occurrence sits."""
+
+    def __init__(self, sizes: range):
+        self.sizes = sizes
+        self.index: dict[int, dict[tuple, int]] = {n: {} for n in sizes}
+        self.indexed = 0
+
+    def lookup(self, committed: list[int], k: int) -> list[int]:
+        for follow in range(max(self.indexed, 1), len(committed)):  # incremental
+            for n in self.sizes:
+                if follow >= n:
+                    self.index[n][tuple(committed[follow - n:follow])] = follow
+        self.indexed = len(committed)
+        for n in self.sizes:
+            if len(committed) >= n:
+                follow = self.index[n].get(tuple(committed[-n:]))
+                if follow is not None:
+                    return committed[follow:follow + k]
+        return []
+
+
+class NgramGroup(ProposerGroup):
+    method = "ngram"
 
     def __init__(self, ngram_max: int = 4, ngram_min: int = 1):
         self.sizes = range(ngram_max, ngram_min - 1, -1)
-        self._index: dict[int, dict[tuple, int]] = {}
-        self._indexed = 0
+        self.rows: dict[int, NgramIndex] = {}
 
-    def start(self, prompt, prompt_hidden, hidden_start=0) -> None:
-        self._index = {n: {} for n in self.sizes}
-        self._indexed = 0
+    @property
+    def keys(self) -> list[int]:
+        return list(self.rows)
 
-    def _extend(self, committed: list[int]) -> None:
-        # n-gram -> index of the token that followed its latest occurrence (incremental).
-        for follow in range(max(self._indexed, 1), len(committed)):
-            for n in self.sizes:
-                if follow >= n:
-                    self._index[n][tuple(committed[follow - n:follow])] = follow
-        self._indexed = len(committed)
+    def join(self, key, committed, prompt_hidden, hidden_start=0) -> None:
+        self.rows[key] = NgramIndex(self.sizes)
 
-    def propose(self, committed, k, params, rng) -> Proposal:
-        self._extend(committed)
-        for n in self.sizes:
-            if len(committed) >= n:
-                follow = self._index[n].get(tuple(committed[-n:]))
-                if follow is not None:
-                    return Proposal(committed[follow:follow + k])
-        return Proposal([])
+    def leave(self, key: int) -> None:
+        self.rows.pop(key, None)
+
+    def propose(self, rows: list[ChainRow]) -> dict[int, Drafts]:
+        out = {}
+        for row in rows:
+            if row.k:
+                tokens = self.rows[row.key].lookup(row.committed, row.k)
+                if tokens:
+                    out[row.key] = Drafts(tokens)
+        return out

@@ -1,9 +1,10 @@
 """k for every row of a batch, from measured costs and each row's measured acceptance.
 
-A step costs t_target(B, N) + sum_i p(m_i)·k_i + B·o: the target forward over B rows padded to
-N = max k + 1 positions (fitted online on [1, B, B·N] by non-negative, exponentially weighted
-least squares, seeded by a calibration at start), each proposer's measured seconds per draft
-token, and a per-row overhead (acceptance, bookkeeping). The plan maximises the batch's
+A step costs t_target(B, N) + sum_m c_m(B_m)·K_m + B·o: the target forward over B rows padded
+to N = max k + 1 positions (fitted online on [1, B, B·N] by non-negative, exponentially
+weighted least squares, seeded by a calibration at start), each method's draft chain (one
+forward per chain step for all B_m rows of that method, K_m steps deep), and a per-row
+overhead (acceptance, bookkeeping). The plan maximises the batch's
 expected committed tokens per second, sum_i E_i(k_i) / cost. Verifying B·(k+1) positions grows
 with B, so k falls as the batch fills, to 0 when it no longer pays; no batch-size rule.
 
@@ -93,17 +94,36 @@ def _nonnegative_solve(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
 class BatchPlanner:
     def __init__(self):
         self.forward = ForwardCostModel()
-        self.draft_cost: dict[str, float] = {}  # seconds per draft token, by method
+        # Seconds per draft-chain step of a method's whole group: a + b·rows (proposers draft
+        # for all their rows in one forward per chain step).
+        self.chain_cost: dict[str, tuple[float, float]] = {}
         self.row_overhead = 0.0
 
-    def proposer_cost(self, method: str) -> float:
-        return self.draft_cost.get(method, 0.0)
+    def proposer_cost(self, method: str, rows: int = 1) -> float:
+        """Seconds per chain step of `method` drafting for `rows` rows at once."""
+        a, b = self.chain_cost.get(method, (0.0, 0.0))
+        return a + b * rows
 
     def observe_proposer(self, method: str, tokens: int, seconds: float) -> None:
-        if tokens:
-            per_token = seconds / tokens
-            old = self.draft_cost.get(method)
-            self.draft_cost[method] = per_token if old is None else old + EWMA * (per_token - old)
+        """A measured chain of `tokens` steps (one row's worth; the per-row slope is kept)."""
+        if tokens and math.isfinite(seconds) and seconds >= 0:
+            per_step = seconds / tokens
+            a, b = self.chain_cost.get(method, (None, 0.0))
+            self.chain_cost[method] = (per_step - b if a is None else a + EWMA * (per_step - b - a), b)
+
+    def calibrate_proposer(self, method: str, one_row_s: float, many_rows: int, many_s: float) -> None:
+        """Chain-step times measured at one row and at `many_rows` rows."""
+        slope = max(0.0, (many_s - one_row_s) / max(1, many_rows - 1))
+        self.chain_cost[method] = (max(0.0, one_row_s - slope), slope)
+
+    def draft_seconds(self, rows: list[RowController], ks: list[int]) -> float:
+        """Each method's chain runs max(k) steps over all of its rows."""
+        depth: dict[str, int] = {}
+        members: dict[str, int] = {}
+        for row, k in zip(rows, ks):
+            members[row.method] = members.get(row.method, 0) + 1
+            depth[row.method] = max(depth.get(row.method, 0), k)
+        return sum(self.proposer_cost(m, members[m]) * k for m, k in depth.items() if k)
 
     def observe_step(self, rows: int, window: int, forward_s: float, rest_s: float) -> None:
         self.forward.observe(rows, window, forward_s)
@@ -120,53 +140,37 @@ class BatchPlanner:
                    for k in range(1, row.k_max + 1))
 
     def plan(self, rows: list[RowController]) -> list[int]:
+        """The window (max k + 1) and the set of methods that draft, whichever maximise the
+        batch's expected tokens per second. Inside the window a drafting row takes all the k it
+        may: its chain runs that deep for its group anyway and the window is paid for."""
         forced = [row.forced_k() for row in rows]
         free = [i for i, f in enumerate(forced) if f is None]
-        floor = max([f for f in forced if f is not None], default=0)
         if not free:
             return [int(f) for f in forced]
+        methods = sorted({rows[i].method for i in free})
         best_ks, best_rate = None, -1.0
         for cap in range(0, max(rows[i].k_max for i in free) + 1):
-            ks = self._fill(rows, forced, free, cap)
-            window = max(floor, max(ks)) + 1
-            rate = self._rate(rows, ks, window)
-            if rate > best_rate * NEAR_TIE:
-                best_ks, best_rate = ks, rate
+            for mask in range(1 << len(methods)):
+                on = {m for j, m in enumerate(methods) if mask >> j & 1}
+                if cap == 0 and on:
+                    continue
+                ks = [int(f) if f is not None else (min(cap, rows[i].k_max) if rows[i].method in on else 0)
+                      for i, f in enumerate(forced)]
+                rate = self._rate(rows, ks)
+                if rate > best_rate * NEAR_TIE:
+                    best_ks, best_rate = ks, rate
         return best_ks
 
-    def _fill(self, rows, forced, free, cap) -> list[int]:
-        """Every free row takes the k <= cap that most helps the batch's rate, given the rest."""
-        ks = [int(f) if f is not None else min(cap, rows[i].k_max) for i, f in enumerate(forced)]
-        window = max(ks) + 1
-        fixed_cost = self.step_cost(len(rows), window, 0.0)
-        draft_cost = [self.proposer_cost(r.method) for r in rows]
-        gains = [expected_tokens(r.alphas, k) for r, k in zip(rows, ks)]
-        total_gain = sum(gains)
-        total_cost = fixed_cost + sum(c * k for c, k in zip(draft_cost, ks))
-        for i in free:
-            base_gain = total_gain - gains[i]
-            base_cost = total_cost - draft_cost[i] * ks[i]
-            options = [((base_gain + expected_tokens(rows[i].alphas, k)) / (base_cost + draft_cost[i] * k), k)
-                       for k in range(min(cap, rows[i].k_max) + 1)]
-            best_rate, best_k = options[0]
-            for rate, k in options[1:]:  # one row moves the batch rate little: no tie margin
-                if rate > best_rate:
-                    best_rate, best_k = rate, k
-            total_gain = base_gain + expected_tokens(rows[i].alphas, best_k)
-            total_cost = base_cost + draft_cost[i] * best_k
-            gains[i], ks[i] = expected_tokens(rows[i].alphas, best_k), best_k
-        return ks
-
-    def _rate(self, rows, ks, window) -> float:
+    def _rate(self, rows, ks) -> float:
         gain = sum(expected_tokens(r.alphas, k) for r, k in zip(rows, ks))
-        drafts = sum(self.proposer_cost(r.method) * k for r, k in zip(rows, ks))
-        return gain / self.step_cost(len(rows), window, drafts)
+        return gain / self.step_cost(len(rows), max(ks) + 1, self.draft_seconds(rows, ks))
 
     def as_dict(self) -> dict:
         c = self.forward.coef
         return {
             "forward_ms": {"base": round(float(c[0]) * 1e3, 4), "per_row": round(float(c[1]) * 1e3, 4),
                            "per_position": round(float(c[2]) * 1e3, 5)},
-            "draft_ms_per_token": {m: round(v * 1e3, 4) for m, v in self.draft_cost.items()},
+            "draft_chain_step_ms": {m: {"base": round(a * 1e3, 4), "per_row": round(b * 1e3, 5)}
+                                    for m, (a, b) in self.chain_cost.items()},
             "row_overhead_ms": round(self.row_overhead * 1e3, 4),
         }

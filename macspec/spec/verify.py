@@ -1,48 +1,52 @@
 """Acceptance: greedy longest-prefix match, or rejection sampling that keeps p exact.
 
-Both take the target's logits for the window [last_committed, d_1 .. d_k] (k+1 rows) and
-return (num_accepted, next_token): the accepted drafts plus one token from the target (the
-correction at the first rejection, or the bonus after all k).
+Everything here is lazy: the engine verifies every row of a batch, then reads all verdicts
+back in one host sync. A row's window is the target's logits for [last_committed, d_1 .. d_k]
+(k+1 rows); its verdict is (num_accepted, next_token): the accepted drafts plus one token from
+the target (the correction at the first rejection, or the bonus after all k).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from ..sampling import (Rng, SamplingParams, greedy_tokens, histories_for,
-                               processed_logprobs)
+from ..sampling import Rng, SamplingParams, greedy_tokens, histories_for, processed_logprobs
 
 
-def _first_false(flags: list[bool]) -> int:
-    for i, ok in enumerate(flags):
-        if not ok:
-            return i
-    return len(flags)
+def accepted_prefix(accept: mx.array, limit: mx.array | None = None) -> mx.array:
+    """Per row of `accept` [..., K] (bool): how many leading entries hold, at most `limit`."""
+    if limit is not None:
+        accept = accept & (mx.arange(accept.shape[-1]) < limit[..., None])
+    return mx.cumprod(accept.astype(mx.int32), axis=-1).sum(axis=-1)
 
 
-def verify_greedy(logits: mx.array, drafts: list[int], committed: list[int],
-                  params: SamplingParams) -> tuple[int, int]:
-    rows = len(drafts) + 1
-    choice = greedy_tokens(logits, histories_for(committed, drafts, rows, params), params).tolist()
-    return accept_greedy_choices(choice, drafts)
+def verify_greedy_batch(choice: mx.array, drafts: mx.array, ks: mx.array) -> mx.array:
+    """choice [B, W] the target's greedy tokens, drafts [B, W-1], ks [B] -> verdicts [B, 2]."""
+    n = accepted_prefix(choice[:, :-1] == drafts, ks) if drafts.shape[1] else mx.zeros(
+        choice.shape[:1], dtype=mx.int32)
+    token = mx.take_along_axis(choice, n[:, None], axis=1)[:, 0]
+    return mx.stack([n, token], axis=1).astype(mx.int32)
 
 
-def accept_greedy_choices(choice: list[int], drafts: list[int]) -> tuple[int, int]:
-    """Given the target's greedy token at each window row, the accepted count and next token."""
-    n = _first_false([c == d for c, d in zip(choice, drafts)])
-    return n, choice[n]
+def verify_greedy(logits: mx.array, drafts: mx.array, committed: list[int],
+                  params: SamplingParams) -> mx.array:
+    """One row with processing (penalties): logits [k+1, V], drafts [k] -> verdict [2]."""
+    k = drafts.shape[0]
+    choice = greedy_tokens(logits, histories_for(committed, drafts, k + 1, params), params)
+    return verify_greedy_batch(choice[None], drafts[None], mx.array([k]))[0]
 
 
-def verify_sampling(logits: mx.array, drafts: list[int], q: mx.array | None,
-                    committed: list[int], params: SamplingParams, rng: Rng) -> tuple[int, int]:
-    """q: the proposer's processed probabilities [k, V], or None for a deterministic proposal."""
-    k = len(drafts)
+def verify_sampling(logits: mx.array, drafts: mx.array, q: mx.array | None,
+                    committed: list[int], params: SamplingParams, rng: Rng) -> mx.array:
+    """q: the proposer's processed probabilities [k, V], or None for a deterministic proposal.
+    -> verdict [2] (lazy)."""
+    k = drafts.shape[0]
     logp = processed_logprobs(logits, histories_for(committed, drafts, k + 1, params), params)
     bonus = mx.random.categorical(logp[k], key=rng.next())
     if k == 0:
-        return 0, bonus.item()
+        return mx.stack([mx.array(0), bonus]).astype(mx.int32)
     p = mx.exp(logp[:k])
-    d = mx.array(drafts)[:, None]
+    d = drafts.astype(mx.int32)[:, None]
     p_d = mx.take_along_axis(p, d, axis=-1)[:, 0]
     if q is None:  # one-hot proposal: accept with p(d); residual is p without d
         q_d = mx.ones_like(p_d)
@@ -55,9 +59,9 @@ def verify_sampling(logits: mx.array, drafts: list[int], q: mx.array | None,
     # A zero residual only arises where p <= q everywhere, i.e. the draft is always accepted.
     residual = mx.where(residual.sum(-1, keepdims=True) > 0, residual, p)
     corrections = mx.random.categorical(mx.log(residual), key=rng.next())
-    accept_list, corrections_list, bonus_tok = accept.tolist(), corrections.tolist(), bonus.item()
-    n = _first_false(accept_list)
-    return n, (corrections_list[n] if n < k else bonus_tok)
+    n = accepted_prefix(accept)
+    token = mx.where(n < k, corrections[mx.minimum(n, k - 1)], bonus)
+    return mx.stack([n, token]).astype(mx.int32)
 
 
 def _match_vocab(q: mx.array, vocab: int) -> mx.array:

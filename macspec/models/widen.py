@@ -1,4 +1,4 @@
-"""Function-preserving widening of a llama target: a bandwidth-bound stand-in for benchmarks.
+"""Function-preserving widening of a llama target: the bandwidth-bound stand-in built:tiny-wide.
 
 Hidden size, heads and MLP are zero-padded; RMSNorm weights scale by sqrt(d/D) and eps by
 d/D so the padded norms equal the original ones; new heads and MLP units read and write zeros.
@@ -12,9 +12,9 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models import llama
 
-from ..models.mtp import MTPHead, make_block_like
-from .train import build_llama
+from .mtp import MTPHead, make_block_like
 
 
 def widened_config(config: dict, hidden: int) -> dict:
@@ -58,7 +58,7 @@ def _widen_into(small: nn.Module, wide: nn.Module, small_hidden: int, wide_hidde
 
 def widen_target(model: nn.Module, config: dict, hidden: int) -> tuple[nn.Module, dict]:
     wide_cfg = widened_config(config, hidden)
-    wide = build_llama(wide_cfg)
+    wide = llama.Model(llama.ModelArgs.from_dict(wide_cfg))
     _widen_into(model, wide, config["hidden_size"], hidden)
     return wide, wide_cfg
 

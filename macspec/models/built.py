@@ -1,0 +1,138 @@
+"""Model dirs macspec builds from the embedded family on first use: `built:NAME`.
+
+`built:tiny-wide` is the embedded target widened to hidden 1664 (~206M parameters, float32,
+the same logits; see widen.py) with its widened MTP head: a bandwidth-bound stand-in for a
+real target, drafted by the unchanged embedded:tiny-draft. `built:tiny-wide-N` is the same at
+hidden N. Dirs live in paths.cache_dir()/models/NAME and are plain mlx-lm model dirs.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..errors import ModelLoadError
+from ..paths import cache_dir
+from ..progress import phase
+
+logger = logging.getLogger(__name__)
+
+BUILT_PREFIX = "built:"
+SOURCE = "tiny-target"  # the embedded model every build starts from
+WIDE_HIDDEN = 1664
+STAMP = "macspec-build.json"  # written last: a dir without it is not a finished build
+BUILD_VERSION = 1  # bump when the written files change, so old caches are rebuilt
+_NAME = re.compile(r"tiny-wide(?:-(\d+))?")
+
+
+def wide_hidden(name: str) -> int:
+    match = _NAME.fullmatch(name)
+    if not match:
+        raise ModelLoadError(f"no built model {name!r}; built models: tiny-wide (hidden "
+                             f"{WIDE_HIDDEN}, ~206M parameters), tiny-wide-N (hidden N)")
+    return int(match.group(1) or WIDE_HIDDEN)
+
+
+def built_dir(name: str) -> Path:
+    wide_hidden(name)  # validates the name
+    return cache_dir() / "models" / name
+
+
+def _stamp(hidden: int) -> dict:
+    # The embedded target's bytes: a re-forged target (a macspec upgrade) invalidates the build.
+    from .loader import embedded_dir
+
+    digest = hashlib.sha256()
+    for file in sorted(p for p in (embedded_dir() / SOURCE).iterdir() if p.is_file()):
+        digest.update(file.name.encode() + file.read_bytes())
+    return {"recipe": "tiny-wide", "hidden": hidden, "source": digest.hexdigest()[:16],
+            "version": BUILD_VERSION}
+
+
+def is_current(path: Path, hidden: int) -> bool:
+    try:
+        return json.loads((path / STAMP).read_text()) == _stamp(hidden)
+    except (OSError, ValueError):
+        return False
+
+
+def find_built(name: str) -> Path | None:
+    """The built dir if it exists and is current; never builds."""
+    path = built_dir(name)
+    return path if is_current(path, wide_hidden(name)) else None
+
+
+def ensure_built(name: str) -> Path:
+    """`built:NAME` -> its dir, building it first if missing or stale."""
+    return find_built(name) or build_wide(built_dir(name), wide_hidden(name), force=False,
+                                          what=f"building {name} (first use)")
+
+
+@contextmanager
+def _locked(path: Path):
+    with open(path, "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process building %s", path.name)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def build_wide(out: Path, hidden: int, force: bool = True, what: str | None = None) -> Path:
+    """Write the widened target to `out` atomically: built in a temp dir beside it, then renamed,
+    so a concurrent or interrupted build never leaves a half dir at `out`."""
+    out = out.expanduser().resolve()
+    if out.exists() and not (out / STAMP).is_file():
+        raise ModelLoadError(f"{out} exists and is not a macspec build; remove it or choose "
+                             "another directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(out.parent / f".{out.name}.lock"):
+        if not force and is_current(out, hidden):
+            return out  # another process built it while we waited
+        for stale in out.parent.glob(f".{out.name}.tmp-*"):  # left by a killed build
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"  # unique: we hold the lock
+        old = out.parent / f"{tmp.name}-old"
+        tmp.mkdir()
+        try:
+            with phase(what or f"building {out.name}"):
+                _write_wide(tmp, hidden)
+            if out.exists():
+                out.rename(old)
+            tmp.rename(out)
+        finally:
+            for leftover in (tmp, old):
+                shutil.rmtree(leftover, ignore_errors=True)
+    logger.info("built %s (hidden %d)", out, hidden)
+    return out
+
+
+def _write_wide(out: Path, hidden: int) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from .loader import embedded_dir, load_model, load_mtp_head
+    from .widen import widen_mtp_head, widen_target
+
+    source = embedded_dir() / SOURCE
+    target = load_model(str(source), dtype="float32")
+    wide, config = widen_target(target.model, target.config, hidden)
+    head = widen_mtp_head(load_mtp_head(target), wide, target.config, config)
+    meta = {"format": "mlx"}
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(wide.parameters())), meta)
+    # Beside the weights, as in the embedded target: mlx-lm's llama loader rejects unknown keys.
+    mx.save_safetensors(str(out / "mtp.safetensors"),
+                        head.layout_weights(config["num_hidden_layers"]), meta)
+    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}, indent=2) + "\n")
+    for file in source.iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy2(file, out / file.name)
+    (out / STAMP).write_text(json.dumps(_stamp(hidden), indent=2) + "\n")
