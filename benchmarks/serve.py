@@ -4,10 +4,14 @@ For 1, 4, 8, 16 concurrent streaming clients (each sends --rounds requests back 
 aggregate completion tok/s, TTFT p50/p95, per configuration:
   macspec spec on (profile's method, adaptive k) | macspec spec off (speculative.method = none)
   mlx_lm.server plain | mlx_lm.server with the draft model (--draft-model).
-Both servers load the same float32 copies of the embedded models (CPU matmuls are slow in
-bf16) and both run with OpenBLAS preloaded (mlx_lm.server is started through `import macspec`).
+Both servers load the same float32 model dirs (CPU matmuls are slow in bf16) and both run with
+OpenBLAS preloaded (mlx_lm.server is started through `import macspec`). --target tiny-wide is
+the bandwidth-bound stand-in (built:tiny-wide, ~206M float32); --draft random swaps the
+distilled draft for one with random weights (a useless proposer: speculation must not cost).
+macspec's rows also report host syncs per decode step and the mean k from /v1/status.
 
-  python benchmarks/serve.py [--quick] [--concurrency 1,4,8,16] [--max-tokens 64] [--json-out F]
+  python benchmarks/serve.py [--target tiny|tiny-wide] [--draft distilled|random]
+      [--temperature 0] [--quick] [--concurrency 1,4,8,16] [--max-tokens 64] [--json-out F]
 """
 
 from __future__ import annotations
@@ -59,15 +63,44 @@ async def one_request(session, url, body) -> dict:
             "text": "".join(text), "usage": usage}
 
 
+def engine_status(url: str, probe: str) -> dict | None:
+    """macspec's /v1/status engine section (None for mlx_lm.server)."""
+    if probe != "/health":
+        return None
+    import requests
+
+    return requests.get(url + "/v1/status", timeout=30).json()["engine"]
+
+
+def step_figures(before: dict | None, after: dict | None) -> dict:
+    """Host syncs per decode step, mean k and tokens per row-step over one scenario."""
+    if before is None or after is None:
+        return {}
+    steps = after["totals"]["steps"] - before["totals"]["steps"]
+    syncs = after["host_syncs"] - before["host_syncs"]
+
+    def total(status: dict, key: str) -> float:
+        spec = status["speculation"].values()
+        if key == "emitted":
+            return sum(s["tokens_per_forward"] * s["target_forwards"] for s in spec)
+        return sum(s[key] for s in spec)
+
+    row_steps = total(after, "target_forwards") - total(before, "target_forwards")
+    drafted = total(after, "drafted") - total(before, "drafted")
+    emitted = total(after, "emitted") - total(before, "emitted")
+    return {"syncs_per_step": round(syncs / max(steps, 1), 2), "mean_k": round(drafted / max(row_steps, 1), 2),
+            "tokens_per_step": round(emitted / max(row_steps, 1), 2)}
+
+
 async def scenario(url: str, concurrency: int, rounds: int, texts: list[str], extra: dict,
-                   max_tokens: int, tokenizer) -> dict:
+                   max_tokens: int, tokenizer, temperature: float = 0.0) -> dict:
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         async def client(c: int):
             out = []
             for r in range(rounds):
                 prompt = texts[(c * rounds + r) % len(texts)]
-                body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
                         "stream_options": {"include_usage": True}, **extra}
                 out.append(await one_request(session, url, body))
             return out
@@ -100,6 +133,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1,4 clients, 32 tokens, 1 round")
     ap.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx_lm.server rows")
     ap.add_argument("--json-out")
+    ap.add_argument("--target", default="tiny-wide", choices=("tiny", "tiny-wide"))
+    ap.add_argument("--draft", default="distilled", choices=("distilled", "random"))
+    ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args()
     if args.quick:
         args.concurrency, args.max_tokens, args.rounds = "1,4", 32, 1
@@ -108,11 +144,15 @@ def main() -> None:
     import macspec  # noqa: F401  (OpenBLAS before mlx)
     from macspec.blas import blas_info
     from macspec.models.loader import resolve_path
+    from macspec.servebench.launch import random_weights_copy
     from transformers import AutoTokenizer  # ships with mlx-lm
 
     work = Path(tempfile.mkdtemp(prefix="macspec-bench-"))
-    target = float32_copy(resolve_path("embedded:tiny-target"), work / "target")
+    target = (resolve_path("built:tiny-wide") if args.target == "tiny-wide"
+              else float32_copy(resolve_path("embedded:tiny-target"), work / "target"))
     draft = float32_copy(resolve_path("embedded:tiny-draft"), work / "draft")
+    if args.draft == "random":
+        draft = random_weights_copy(draft, work / "random-draft", seed=0)
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     texts = prompts(32)
     profile = work / "bench.toml"
@@ -142,14 +182,19 @@ def main() -> None:
             server.wait_ready(probe, timeout=300)
         table[name] = {}
         for c in levels:
+            before = engine_status(server.url, probe)
             table[name][c] = asyncio.run(scenario(server.url, c, args.rounds, texts, extra,
-                                                  args.max_tokens, tokenizer))
+                                                  args.max_tokens, tokenizer, args.temperature))
             row = table[name][c]
+            row.update(step_figures(before, engine_status(server.url, probe)))
+            extra_text = (f"  {row['syncs_per_step']} syncs/step, mean k {row['mean_k']}, "
+                          f"{row['tokens_per_step']} tok/row-step" if "syncs_per_step" in row else "")
             print(f"{name:22s} c={c:2d}  {row['tok_per_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50_ms']} ms "
-                  f"p95 {row['ttft_p95_ms']} ms  errors {len(row['errors'])}", flush=True)
+                  f"p95 {row['ttft_p95_ms']} ms  errors {len(row['errors'])}{extra_text}", flush=True)
     if server:
         server.stop()
-    print(f"\nBLAS {blas_info().name}; {args.rounds} request(s) per client, {args.max_tokens} tokens, greedy")
+    print(f"\nBLAS {blas_info().name}; target {args.target}, {args.draft} draft; {args.rounds} request(s) "
+          f"per client, {args.max_tokens} tokens, temperature {args.temperature}")
     header = "| config | " + " | ".join(f"c={c} tok/s (TTFT p50/p95 ms)" for c in levels) + " |"
     print(header)
     print("|" + "---|" * (len(levels) + 1))

@@ -14,10 +14,13 @@ from .config import Profile
 from .engine.launch import build_engine
 from .sampling import SamplingParams
 from .models.detokenizer import IncrementalDecoder
+from .paths import state_dir
 from . import progress
 from .progress import phase
 
 # CLI flag -> profile key it overrides (CLI flag > profile > default).
+PRIORS_FILE = "acceptance-priors.json"  # per model pair, in the state dir
+
 FLAG_KEYS = {
     "max_tokens": "sampling.max_tokens",
     "temperature": "sampling.temperature",
@@ -77,6 +80,7 @@ def run_once(profile: Profile, prompt: str, opts: RunOptions) -> dict:
     apply_flags(profile, opts)
     params = SamplingParams.from_config(profile.sampling)
     engine = build_engine(profile, max_batch=1)
+    save_priors = engine.remembered_priors(state_dir() / PRIORS_FILE)
     try:
         if profile.speculative.adaptive and profile.speculative.method != "none":
             with phase("calibrating the target's step cost"):
@@ -85,7 +89,9 @@ def run_once(profile: Profile, prompt: str, opts: RunOptions) -> dict:
         def steps(tokens, holder):
             return engine.stream(tokens, params, profile.sampling.max_tokens, holder)
 
-        return _stream(profile, engine.runtime, prompt, opts, steps)
+        result = _stream(profile, engine.runtime, prompt, opts, steps)
+        save_priors()
+        return result
     finally:
         engine.close()
 

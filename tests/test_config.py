@@ -7,7 +7,7 @@ import pytest
 from macspec.config import find_profile, list_profiles, load_profile, load_profile_file
 from macspec.errors import ProfileError
 
-SHIPPED = ["tiny", "tiny-mtp", "tiny-ngram", "kimi-tp2", "glm5-mtp"]
+SHIPPED = ["tiny", "tiny-mtp", "tiny-ngram", "tiny-wide", "kimi-tp2", "glm5-mtp"]
 
 
 @pytest.mark.parametrize("name", SHIPPED)

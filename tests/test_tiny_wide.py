@@ -44,6 +44,8 @@ def test_names_and_cache_location(isolated_home):
     assert built.built_dir("tiny-wide") == isolated_home / "cache" / "models" / "tiny-wide"
     with pytest.raises(ModelLoadError, match="no built model 'nope'.*tiny-wide"):
         resolve_path("built:nope")
+    with pytest.raises(ModelLoadError, match="'tiny-wide-300': hidden 300 must be a multiple of 128"):
+        resolve_path("built:tiny-wide-300")
 
 
 def test_lookup_never_builds_and_first_resolve_builds_once(isolated_home, fake_writer):
@@ -172,13 +174,13 @@ def wide_home(tmp_path_factory):
 @pytest.mark.slow
 def test_run_profile_tiny_wide_builds_then_reuses(wide_home, monkeypatch):
     monkeypatch.setenv("MACSPEC_HOME", str(wide_home))
-    result = invoke("run", "def parse(", "--profile", "tiny-wide", "--max-tokens", "12", "--json")
-    data = json.loads(result.stdout)
-    assert data["text"] and data["method"] == "draft"
+    result = invoke("run", "def parse(", "--profile", "tiny-wide", "--max-tokens", "8")
+    assert result.exit_code == 0 and result.stdout.strip()
+    assert "method draft" in result.stderr
     path = find_local_model("built:tiny-wide")
     assert json.loads((path / "config.json").read_text())["hidden_size"] == 1664
     mtime = (path / "model.safetensors").stat().st_mtime_ns
-    mtp = json.loads(invoke("run", "def parse(", "--profile", "tiny-wide", "--max-tokens", "12",
+    mtp = json.loads(invoke("run", "def parse(", "--profile", "tiny-wide", "--max-tokens", "8",
                             "--json", "--method", "mtp").stdout)
     assert mtp["method"] == "mtp" and mtp["text"]
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime

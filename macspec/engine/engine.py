@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import mlx.core as mx
 
@@ -574,6 +574,17 @@ class Engine:
             seconds[count] = min(times[1:])
         self.planner.calibrate_proposer(method, seconds[1], 4, seconds[4])
 
+    def remembered_priors(self, path) -> Callable[[], None]:
+        """Load the acceptance priors saved at `path` for this model pair; -> a function that
+        saves them back (call it when done)."""
+        from ..spec import priors
+
+        spec = self.runtime.profile.speculative
+        keys = {m: priors.pair_key(m, self.runtime.target.path, spec.draft_model)
+                for m in ("draft", "mtp", "ngram")}
+        self.priors.update(priors.load(path, keys))
+        return lambda: priors.save(path, keys, self.priors)
+
     def _spec_totals(self, method: str) -> SpecStats:
         if method not in self.spec_totals:
             self.spec_totals[method] = SpecStats()
@@ -611,6 +622,7 @@ class Engine:
             "speculation": {m: st.as_dict() for m, st in self.spec_totals.items()},
             "speculation_faults": self.spec_faults.as_dict(),
             "rows": {"k_in_use": [seq.row.last_k for seq in rows], "states": states},
+            "host_syncs": self.host_syncs,
             "host_syncs_per_step": round(self.host_syncs / max(1, self.totals["steps"]), 3),
             "acceptance_priors": {m: [round(a, 3) for a in p] for m, p in self.priors.items()},
             "cost_model": self.planner.as_dict(),

@@ -33,11 +33,19 @@ _NAME = re.compile(r"tiny-wide(?:-(\d+))?")
 
 
 def wide_hidden(name: str) -> int:
+    from .loader import embedded_dir
+    from .widen import widened_config
+
     match = _NAME.fullmatch(name)
     if not match:
         raise ModelLoadError(f"no built model {name!r}; built models: tiny-wide (hidden "
                              f"{WIDE_HIDDEN}, ~206M parameters), tiny-wide-N (hidden N)")
-    return int(match.group(1) or WIDE_HIDDEN)
+    hidden = int(match.group(1) or WIDE_HIDDEN)
+    try:
+        widened_config(json.loads((embedded_dir() / SOURCE / "config.json").read_text()), hidden)
+    except ValueError as err:
+        raise ModelLoadError(f"built model {name!r}: {err}") from None
+    return hidden
 
 
 def built_dir(name: str) -> Path:

@@ -93,3 +93,23 @@ def float32_copy(src: Path, dst: Path) -> Path:
         elif f.is_file():
             shutil.copy(f, dst / f.name)
     return dst
+
+
+def random_weights_copy(src: Path, dst: Path, seed: int) -> Path:
+    """The same model with random weights of each matrix's own scale: a proposer that shares
+    the target's tokenizer but whose guesses are useless."""
+    import mlx.core as mx
+
+    if dst.exists():
+        return dst
+    dst.mkdir(parents=True)
+    mx.random.seed(seed)
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            weights = mx.load(str(f))
+            mx.save_safetensors(str(dst / f.name), {
+                k: (mx.random.normal(v.shape) * v.std()).astype(v.dtype) if v.ndim >= 2 else v
+                for k, v in weights.items()})
+        elif f.is_file():
+            shutil.copy(f, dst / f.name)
+    return dst

@@ -1,0 +1,48 @@
+"""Acceptance priors kept between runs: `macspec run` starts each prompt at the k its model pair
+earned before instead of exploring from scratch (the daemon keeps them in memory)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def pair_key(method: str, target: str, draft: str | None) -> str:
+    """Acceptance belongs to a (target, proposer) pair."""
+    return f"{method}|{target}|{draft or ''}" if method == "draft" else f"{method}|{target}"
+
+
+def load(path: Path, keys: dict[str, str]) -> dict[str, list[float]]:
+    """keys: method -> pair key; -> method -> alphas found in `path` (nothing when unreadable)."""
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for method, key in keys.items():
+        alphas = stored.get(key) if isinstance(stored, dict) else None
+        if isinstance(alphas, list) and alphas and all(isinstance(a, (int, float)) and 0 <= a <= 1
+                                                       for a in alphas):
+            out[method] = [float(a) for a in alphas]
+    return out
+
+
+def save(path: Path, keys: dict[str, str], priors: dict[str, list[float]]) -> None:
+    """Merge into `path` atomically; a failure is logged, never raised (bookkeeping)."""
+    try:
+        stored = json.loads(path.read_text()) if path.exists() else {}
+        if not isinstance(stored, dict):
+            stored = {}
+    except (OSError, ValueError):
+        stored = {}
+    stored.update({keys[m]: [round(a, 4) for a in alphas] for m, alphas in priors.items() if m in keys})
+    try:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(stored, indent=1))
+        tmp.replace(path)
+    except OSError as err:
+        logger.warning("could not save acceptance priors to %s: %s", path, err)
