@@ -17,10 +17,9 @@ from .models.detokenizer import IncrementalDecoder
 from .paths import state_dir
 from . import progress
 from .progress import phase
-
-# CLI flag -> profile key it overrides (CLI flag > profile > default).
 PRIORS_FILE = "acceptance-priors.json"  # per model pair, in the state dir
 
+# CLI flag -> profile key it overrides (CLI flag > profile > default).
 FLAG_KEYS = {
     "max_tokens": "sampling.max_tokens",
     "temperature": "sampling.temperature",

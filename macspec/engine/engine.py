@@ -22,7 +22,7 @@ from ..monitor.memory import MB, KVBudget, kv_bytes_per_token, usage
 from ..runner import TargetRunner
 from ..sampling import Rng, SamplingParams
 from ..spec.base import ChainGroup, ChainRow, Drafts, ProposerGroup
-from ..spec.controller import RowController, observe_acceptance
+from ..spec.controller import AcceptancePrior, RowController
 from ..spec.planner import BatchPlanner
 from ..spec.stats import SpecStats
 from ..spec.verify import verify_greedy, verify_greedy_batch, verify_sampling
@@ -36,7 +36,6 @@ from .sequence import GenerationStats, Sequence
 logger = logging.getLogger(__name__)
 
 STATS_LOG_INTERVAL_S = 30.0
-PRIOR_WEIGHT = 0.02  # a request's step moves the method's population prior this much
 
 
 @dataclass
@@ -75,7 +74,7 @@ class Engine:
         self.spec_faults = SpecFaults()
         self.groups: dict[str, ProposerGroup] = {}  # method -> its proposer for all rows
         # Acceptance per draft position by method, across requests: a new request starts here.
-        self.priors: dict[str, list[float]] = {}
+        self.priors: dict[str, AcceptancePrior] = {}
         self.host_syncs = 0  # host syncs in decode steps (one per step without TP)
         self.batch_histogram: dict[int, int] = {}
         self.live_counts = {"running": 0, "prefilling": 0, "waiting": 0}  # replaced, never mutated
@@ -141,7 +140,7 @@ class Engine:
                 f"+ max_tokens {req.max_tokens} tokens) but the server's KV budget is "
                 f"{self.memory.budget / MB:.1f} MB ({self.memory.source}); lower max_tokens", "max_tokens")
         row = RowController(k_max, adaptive, method, spec.probe_min_steps, spec.probe_max_steps,
-                            prior=self.priors.get(method))
+                            prior=self.priors[method].alphas if method in self.priors else None)
         stats = GenerationStats(method if proposer else "none", k_max)
         eos = set(req.stop_token_ids)
         if not req.ignore_eos:
@@ -344,8 +343,7 @@ class Engine:
             return
         row.observe(drafted, accepted, not row.adaptive or self.planner.pays_alone(row))
         if drafted:
-            prior = self.priors.setdefault(row.method, list(row.alphas))
-            observe_acceptance(prior, drafted, accepted, PRIOR_WEIGHT)
+            self.priors.setdefault(row.method, AcceptancePrior()).observe(drafted, accepted)
 
     # ---- proposers: one group per method, holding every running row of that method ---------
     def _group(self, method: str) -> ProposerGroup:
@@ -582,8 +580,8 @@ class Engine:
         spec = self.runtime.profile.speculative
         keys = {m: priors.pair_key(m, self.runtime.target.path, spec.draft_model)
                 for m in ("draft", "mtp", "ngram")}
-        self.priors.update(priors.load(path, keys))
-        return lambda: priors.save(path, keys, self.priors)
+        self.priors.update({m: AcceptancePrior(a) for m, a in priors.load(path, keys).items()})
+        return lambda: priors.save(path, keys, {m: p.alphas for m, p in self.priors.items()})
 
     def _spec_totals(self, method: str) -> SpecStats:
         if method not in self.spec_totals:
@@ -624,7 +622,7 @@ class Engine:
             "rows": {"k_in_use": [seq.row.last_k for seq in rows], "states": states},
             "host_syncs": self.host_syncs,
             "host_syncs_per_step": round(self.host_syncs / max(1, self.totals["steps"]), 3),
-            "acceptance_priors": {m: [round(a, 3) for a in p] for m, p in self.priors.items()},
+            "acceptance_priors": {m: [round(a, 3) for a in p.alphas] for m, p in self.priors.items()},
             "cost_model": self.planner.as_dict(),
             "prefix_cache": s.prefix_cache.as_dict(),
             "kv_cache_bytes": self.runner.kv.nbytes(),

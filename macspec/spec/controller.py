@@ -123,5 +123,36 @@ def observe_acceptance(alphas: list[float], k: int, accepted: int, weight: float
             alphas[i] = min(alphas[i], alphas[k - 1])
 
 
+class AcceptancePrior:
+    """A method's acceptance per draft position over all requests: decayed hit and trial
+    counts (a few pseudo-trials at ALPHA_PRIOR), so the first observations move it at once."""
+
+    PSEUDO_TRIALS = 2.0
+    DECAY = 0.995  # about the last 200 observations per position count
+
+    def __init__(self, alphas: list[float] | None = None):
+        alphas = list(alphas or [])
+        self.hits = [a * self.PSEUDO_TRIALS for a in alphas]
+        self.trials = [self.PSEUDO_TRIALS] * len(alphas)
+
+    @property
+    def alphas(self) -> list[float]:
+        out: list[float] = []
+        for hits, trials in zip(self.hits, self.trials):
+            alpha = (hits + ALPHA_PRIOR * self.PSEUDO_TRIALS) / (trials + self.PSEUDO_TRIALS)
+            if out and trials < 1.0:  # rarely reached: assume no better than the one before
+                alpha = min(alpha, out[-1])
+            out.append(alpha)
+        return out
+
+    def observe(self, k: int, accepted: int) -> None:
+        while len(self.trials) < k:
+            self.hits.append(0.0)
+            self.trials.append(0.0)
+        for i in range(min(accepted + 1, k)):
+            self.hits[i] = self.hits[i] * self.DECAY + (1.0 if i < accepted else 0.0)
+            self.trials[i] = self.trials[i] * self.DECAY + 1.0
+
+
 def _fmt(values: list[float]) -> str:
     return "[" + ", ".join(f"{v:.2f}" for v in values) + "]"

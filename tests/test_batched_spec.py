@@ -1,0 +1,96 @@
+"""Speculation in a shared batch: each proposer drafts for all of its rows in one forward per
+chain step, the whole step reads back in one host sync, and the controller starts a request
+from what its method earned before (the daemon in memory, `macspec run` from the state dir)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from macspec.engine.launch import calibrated_engine
+from macspec.engine.runtime import Runtime
+from macspec.config import load_profile
+from macspec.models.loader import load_model
+from macspec.sampling import SamplingParams
+from macspec.spec.draft import DraftGroup
+
+from .conftest import engine_for, generate, tiny_runtime
+from .modeldirs import random_copy_of_embedded
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams()
+
+
+def test_a_batch_of_draft_rows_is_one_group_and_equals_each_row_alone(prompts):
+    runtime = tiny_runtime("draft")
+    engine = engine_for(runtime)
+    batch = prompts[:4]
+    alone = [generate(runtime, p, 40, GREEDY, k=4)[0] for p in batch]
+    forwards = {}
+    original = DraftGroup._next_logits
+
+    def counting(self, tokens):  # one chain step: how many rows does one draft forward carry?
+        forwards[tokens.shape[0]] = forwards.get(tokens.shape[0], 0) + 1
+        return original(self, tokens)
+
+    DraftGroup._next_logits = counting
+    try:
+        engine.max_batch = engine.scheduler.max_batch = 4
+        out = engine.generate(batch, GREEDY, 40, num_draft=4, adaptive=False)
+    finally:
+        DraftGroup._next_logits = original
+        engine.max_batch = engine.scheduler.max_batch = 1
+    assert [c.tokens for c in out] == alone
+    assert max(forwards) == 4, forwards  # all four rows in one draft forward
+    assert all(c.stats["acceptance_rate"] > 0 for c in out)
+
+
+@pytest.mark.parametrize("method", ["draft", "mtp", "ngram", "none"])
+def test_one_host_sync_per_decode_step(prompts, method):
+    runtime = tiny_runtime(method)
+    engine = calibrated_engine(runtime, max_batch=4)
+    before_syncs, before_steps = engine.host_syncs, engine.totals["steps"]
+    params = [GREEDY, SamplingParams(temperature=0.7, seed=1), SamplingParams(repetition_penalty=1.2),
+              GREEDY]
+    out = engine.generate(prompts[:4], params, 32, num_draft=3, adaptive=False)
+    assert all(c.error is None and len(c.tokens) == 32 for c in out)
+    steps = engine.totals["steps"] - before_steps
+    assert steps > 0 and engine.host_syncs - before_syncs == steps
+    assert engine.status()["host_syncs_per_step"] == 1.0
+
+
+def test_a_new_request_starts_from_the_methods_prior(tmp_path, prompts):
+    """A useless draft: the first request learns it, the next one starts with speculation
+    nearly off instead of exploring from the optimistic default."""
+    useless = random_copy_of_embedded("tiny-draft", tmp_path / "random-draft", seed=3)
+    profile = load_profile("tiny")
+    profile.speculative.draft_model = str(useless)
+    target = tiny_runtime("none").target
+    runtime = Runtime(profile, target, "draft", draft=load_model(str(useless)))
+    engine = calibrated_engine(runtime, max_batch=1)
+    first = engine.generate([prompts[0]], GREEDY, 48, adaptive=False)[0]  # k = 4 every step
+    prior = engine.status()["acceptance_priors"]["draft"]
+    assert max(prior) < 0.2, prior
+    second = engine.generate([prompts[1]], GREEDY, 48)[0]
+    assert second.stats["controller"]["alphas"][0] < 0.3, second.stats["controller"]
+    assert second.stats["spec"]["drafted"] < first.stats["spec"]["drafted"] / 4, (first.stats, second.stats)
+
+
+def test_run_saves_and_reloads_its_acceptance_priors(isolated_home):
+    from click.testing import CliRunner
+
+    from macspec.cli import main
+
+    result = CliRunner().invoke(main, ["run", "def parse(self, text):", "--max-tokens", "24", "--json",
+                                       "--fixed-k"])
+    assert result.exit_code == 0, result.output
+    saved = json.loads((isolated_home / "state" / "acceptance-priors.json").read_text())
+    key = next(k for k in saved if k.startswith("draft|") and k.endswith("tiny-draft"))
+    assert len(saved[key]) == 4 and all(0 <= a <= 1 for a in saved[key])
+    saved[key] = [0.01, 0.01, 0.01, 0.01]  # a prior saying the draft never agrees
+    (isolated_home / "state" / "acceptance-priors.json").write_text(json.dumps(saved))
+    again = CliRunner().invoke(main, ["run", "def parse(self, text):", "--max-tokens", "24", "--json"])
+    stats = json.loads(again.output.strip().splitlines()[-1])
+    assert stats["controller"]["alphas"][0] < 0.2  # started from the saved prior, not 0.7
