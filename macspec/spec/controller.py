@@ -125,21 +125,23 @@ def observe_acceptance(alphas: list[float], k: int, accepted: int, weight: float
 
 class AcceptancePrior:
     """A method's acceptance per draft position over all requests: decayed hit and trial
-    counts (a few pseudo-trials at ALPHA_PRIOR), so the first observations move it at once."""
+    counts on top of a few pseudo-trials at a base (ALPHA_PRIOR, or what a saved prior said),
+    so the first observations move it at once."""
 
     PSEUDO_TRIALS = 2.0
     DECAY = 0.995  # about the last 200 observations per position count
 
-    def __init__(self, alphas: list[float] | None = None):
-        alphas = list(alphas or [])
-        self.hits = [a * self.PSEUDO_TRIALS for a in alphas]
-        self.trials = [self.PSEUDO_TRIALS] * len(alphas)
+    def __init__(self, base: list[float] | None = None):
+        self.base = list(base or [])
+        self.hits = [0.0] * len(self.base)
+        self.trials = [0.0] * len(self.base)
 
     @property
     def alphas(self) -> list[float]:
         out: list[float] = []
-        for hits, trials in zip(self.hits, self.trials):
-            alpha = (hits + ALPHA_PRIOR * self.PSEUDO_TRIALS) / (trials + self.PSEUDO_TRIALS)
+        for i, (hits, trials) in enumerate(zip(self.hits, self.trials)):
+            base = self.base[i] if i < len(self.base) else ALPHA_PRIOR
+            alpha = (hits + base * self.PSEUDO_TRIALS) / (trials + self.PSEUDO_TRIALS)
             if out and trials < 1.0:  # rarely reached: assume no better than the one before
                 alpha = min(alpha, out[-1])
             out.append(alpha)
