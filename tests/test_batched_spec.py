@@ -36,12 +36,13 @@ def test_a_batch_of_draft_rows_is_one_group_and_equals_each_row_alone(prompts):
         return original(self, tokens)
 
     DraftGroup._next_logits = counting
+    saved = engine.max_batch, engine.scheduler.max_batch
     try:
         engine.max_batch = engine.scheduler.max_batch = 4
         out = engine.generate(batch, GREEDY, 40, num_draft=4, adaptive=False)
     finally:
         DraftGroup._next_logits = original
-        engine.max_batch = engine.scheduler.max_batch = 1
+        engine.max_batch, engine.scheduler.max_batch = saved
     assert [c.tokens for c in out] == alone
     assert max(forwards) == 4, forwards  # all four rows in one draft forward
     assert all(c.stats["acceptance_rate"] > 0 for c in out)

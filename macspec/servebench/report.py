@@ -92,8 +92,10 @@ def markdown(report: dict) -> str:
             lines += _table(REQUEST_COLUMNS, [[r.get(c) for c in REQUEST_COLUMNS] for r in s["requests"]])
             counters = s["server_counters"]
             if counters:
+                syncs = (f", {counters['host_syncs_per_step']} host syncs per step"
+                         if "host_syncs_per_step" in counters else "")
                 lines += ["", f"Server counters: {counters['completed']} completed, "
-                          f"{counters['generated_tokens']} tokens generated, {counters['steps']} engine steps."]
+                          f"{counters['generated_tokens']} tokens generated, {counters['steps']} engine steps{syncs}."]
             lines.append("")
     lines += ["## Errors", ""]
     failed = [f"- {run['label']} / {s['name']} #{r['index']}: {r['error']}" for run in report["runs"]

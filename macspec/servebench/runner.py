@@ -110,7 +110,10 @@ def counters_delta(before: dict | None, after: dict | None) -> dict | None:
     if before is None or after is None:
         return None
     keys = ("requests", "completed", "cancelled", "failed", "generated_tokens", "prompt_tokens", "steps")
-    return {k: after["totals"][k] - before["totals"][k] for k in keys}
+    out = {k: after["totals"][k] - before["totals"][k] for k in keys}
+    if "host_syncs" in after and "host_syncs" in before:  # one per decode step is the design
+        out["host_syncs_per_step"] = round((after["host_syncs"] - before["host_syncs"]) / max(out["steps"], 1), 3)
+    return out
 
 
 def speculation_delta(before: dict | None, after: dict | None) -> dict | None:
