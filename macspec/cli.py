@@ -452,8 +452,8 @@ def profiles_show(name, as_json):
 @main.command()
 @click.argument("what", default="family")
 @click.option("--out", type=click.Path(file_okay=False),
-              help="Output directory (family: required; tiny-wide: default the cache dir that "
-                   "built:tiny-wide resolves to).")
+              help="Output directory (family: required; tiny-wide and the replicas: default the "
+                   "cache dir that built:NAME resolves to).")
 @click.option("--recipe", type=click.Choice(["full", "smoke"]), default="full", show_default=True,
               help="family only.")
 @click.option("--reuse-target", is_flag=True,
@@ -462,13 +462,19 @@ def profiles_show(name, as_json):
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
 def forge(what, out, recipe, reuse_target, log_level):
     """Train the embedded family (WHAT = family, offline, CPU), or build WHAT = tiny-wide: the
-    embedded target widened to ~206M parameters with the same logits (tiny-wide-N: hidden N)."""
+    embedded target widened to ~206M parameters with the same logits (tiny-wide-N: hidden N),
+    or WHAT = kimi-k25-mini, moonlight-mini, glm5-mini: miniature replicas of the seed models
+    (their architectures, config keys and quantization; a few MB, seconds)."""
     from pathlib import Path
 
     setup_logging(log_level)
     if what != "family":
-        from .models.built import build_wide, built_dir, wide_hidden
+        from .models.built import build_replica, build_wide, built_dir, is_replica, wide_hidden
 
+        if is_replica(what):
+            path = build_replica(what, Path(out) if out else built_dir(what))
+            click.echo(f"built {what} in {path}")
+            return
         hidden = wide_hidden(what)  # MacspecError for an unknown name
         path = build_wide(Path(out) if out else built_dir(what), hidden)
         click.echo(f"built {what} (hidden {hidden}) in {path}")

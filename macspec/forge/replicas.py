@@ -8,18 +8,22 @@ and deterministically (fixed seeds, no data but the replica's own outputs) in se
 - `kimi-k25-mini`: `kimi_k25` wrapping a deepseek_v3 `text_config` (MLA with q/kv LoRA ranks and
   YaRN rope, MoE with a shared expert, sigmoid `noaux_tc` routing with a correction bias,
   `first_k_dense_replace`), weights under `language_model.`, 4-bit affine, group 32.
-- `moonlight-mini`: the draft, deepseek_v3 as Moonlight-16B-A3B (no q LoRA: a plain `q_proj`),
-  4-bit, group 64, the same tokenizer. Its weights are a derived copy of the Kimi replica's:
-  its first layers, its q LoRA folded into one projection, the output head (the only part a
-  draft can copy exactly) perturbed. Greedy acceptance against the Kimi replica is partial by
-  construction (see DRAFT_* below), so both the accept and the reject paths run.
-- `glm5-mini`: `glm_moe_dsa` (MLA + DeepSeek sparse attention indexer, index_topk small enough
-  to select within short prompts), 4-bit body, group 64, and its MTP layer
+- `moonlight-mini`: the draft, deepseek_v3 as Moonlight-16B-A3B (no q LoRA: a plain `q_proj`,
+  no YaRN), 4-bit, group 32, the same tokenizer. Its weights are a truncated copy of the Kimi
+  replica as written (dequantized): its first DRAFT_LAYERS layers, each q LoRA folded into one
+  projection, the same embeddings and head.
+- `glm5-mini`: `glm_moe_dsa` (MLA + the DeepSeek sparse attention indexer, index_topk small
+  enough that it selects within short prompts), 4-bit body, group 64, and its MTP layer
   `model.layers.{num_hidden_layers}.*` unquantized (bfloat16, as GLM-5 ships it) in
-  `mtp.safetensors`, distilled for a few seconds on the quantized replica's own samples.
+  `mtp.safetensors` (mlx-lm's loader reads model*.safetensors only). The MTP head is built in
+  closed form from the target (see _mtp_from_first_layer), no training.
 
-The target's output rows of the special tokens are zero, so greedy and tempered generation run
-to max_tokens (a random-weight model would otherwise stop at random).
+Random weights are dressed to behave like a trained model where speculation can tell: later
+layers refine rather than rewrite (layer i writes DEPTH_DECAY**i of its output), so a truncated
+copy (the draft, the MTP head) agrees with the target often but not always: greedy acceptance
+lands between 0.3 and 0.9, and both the accept and the reject paths run. The output head is
+peaked (T=0.7 sampling is not noise) and the special tokens' rows are zero, so generation runs
+to max_tokens instead of stopping at random.
 """
 
 from __future__ import annotations
@@ -101,7 +105,7 @@ KIMI_TEXT = {  # moonshotai/Kimi-K2.5 text_config (DeepSeek-V3 architecture), sc
     "tie_word_embeddings": False,
     "topk_group": 1,
     "topk_method": "noaux_tc",
-    "torch_dtype": "bfloat16",
+    "torch_dtype": "float32",  # bfloat16: what is not quantized is stored in float32 here
     "use_cache": True,
     "v_head_dim": 64,  # 128
     "vocab_size": VOCAB_SIZE,  # 163840
@@ -117,7 +121,7 @@ KIMI = {  # moonshotai/Kimi-K2.5 (multimodal wrapper; the vision tower is not re
     "pad_token_id": 3,
     "text_config": KIMI_TEXT,
     "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
+    "torch_dtype": "float32",  # bfloat16: what is not quantized is stored in float32 here
     "use_unified_vision_chunk": True,
 }
 
@@ -162,7 +166,7 @@ MOONLIGHT = {  # moonshotai/Moonlight-16B-A3B-Instruct, scaled down onto the Kim
     "tie_word_embeddings": False,
     "topk_group": 1,
     "topk_method": "noaux_tc",
-    "torch_dtype": "bfloat16",
+    "torch_dtype": "float32",  # bfloat16: what is not quantized is stored in float32 here
     "use_cache": True,
     "v_head_dim": 64,  # 128
     "vocab_size": VOCAB_SIZE,  # 163840
@@ -173,7 +177,7 @@ GLM5 = {  # zai-org/GLM-5, scaled down
     "model_type": "glm_moe_dsa",
     "attention_bias": False,
     "attention_dropout": 0.0,
-    "dtype": "bfloat16",
+    "dtype": "float32",  # bfloat16: what is not quantized is stored in float32 here
     "eos_token_id": EOS_IDS,
     "ep_size": 1,
     "first_k_dense_replace": 1,  # 3
@@ -218,16 +222,14 @@ GLM5 = {  # zai-org/GLM-5, scaled down
     "vocab_size": VOCAB_SIZE,  # 154880
 }
 
-QUANT = {"kimi-k25-mini": 32, "moonlight-mini": 64, "glm5-mini": 64}  # 4-bit affine group size
+QUANT = {"kimi-k25-mini": 32, "moonlight-mini": 32, "glm5-mini": 64}  # 4-bit affine group size
 
 # Seeds: one per replica, so each builds alone and identically every time.
 KIMI_SEED, MOONLIGHT_SEED, GLM5_SEED = 2025, 16, 5
-# The draft: the target's first DRAFT_LAYERS layers, and its output head perturbed by
-# Gaussian noise of relative scale DRAFT_HEAD_NOISE (tuned for greedy acceptance ~0.5-0.7 at k=4).
+# Tuned on held-out prompts for greedy acceptance ~0.5-0.7 (draft at k=4, MTP at k=3).
+KIMI_DEPTH_DECAY = 0.2  # the draft keeps DRAFT_LAYERS of the Kimi replica's 4 layers
 DRAFT_LAYERS = 2
-DRAFT_HEAD_NOISE = 0.35
-# The GLM MTP head: distilled on the quantized replica's own samples (see _train_mtp).
-MTP_STEPS, MTP_BATCH, MTP_SEQ, MTP_LR = 150, 16, 48, 3e-3
+GLM5_DEPTH_DECAY = 0.1  # the MTP head is GLM's layer 0 alone
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,14 +258,22 @@ def _language_model(model: nn.Module) -> nn.Module:
     return model.language_model if hasattr(model, "language_model") else model
 
 
-def _dress(model: nn.Module, seed: int) -> None:
+OUTPUT_PROJECTIONS = ("self_attn.o_proj.weight", "mlp.down_proj.weight",
+                      "mlp.shared_experts.down_proj.weight", "mlp.switch_mlp.down_proj.weight")
+
+
+def _dress(model: nn.Module, seed: int, depth_decay: float = 1.0) -> None:
     """What training leaves and random init lacks: uneven norm gains, a non-zero router bias,
-    a peaked output head, and special tokens the model never emits."""
+    later layers that refine rather than rewrite (layer i writes depth_decay**i of its output
+    into the residual stream), a peaked output head, and special tokens the model never emits."""
     rng = np.random.default_rng(seed)
     lm = _language_model(model)
     updates = []
     for name, value in tree_flatten(lm.parameters()):
-        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+        if depth_decay != 1.0 and name.startswith("model.layers.") and name.endswith(OUTPUT_PROJECTIONS):
+            layer = int(name.split(".")[2])
+            updates.append((name, value * depth_decay ** layer))
+        elif name.endswith("layernorm.weight") or name == "model.norm.weight":
             updates.append((name, mx.array(1.0 + 0.1 * rng.standard_normal(value.shape),
                                            dtype=mx.float32)))
         elif name.endswith("e_score_correction_bias"):
@@ -310,52 +320,83 @@ def _copy_tokenizer(out: Path) -> None:
 def kimi_float() -> tuple[nn.Module, dict]:
     """The Kimi replica before quantization (float32)."""
     model = _instantiate(KIMI, KIMI_SEED)
-    _dress(model, KIMI_SEED)
+    _dress(model, KIMI_SEED, KIMI_DEPTH_DECAY)
     return model, KIMI
 
 
-def _fold_q_lora(attn, rng: np.random.Generator) -> mx.array:
+def kimi_quantized() -> tuple[nn.Module, dict]:
+    """The Kimi replica as written: quantized, with its config."""
+    model, config = kimi_float()
+    return model, _quantize(model, config, QUANT["kimi-k25-mini"])
+
+
+def _dequantized(model: nn.Module, group_size: int) -> dict[str, np.ndarray]:
+    """Every parameter of a quantized model as float32 numpy, quantized ones dequantized."""
+    params = dict(tree_flatten(model.parameters()))
+    out = {}
+    for name, value in params.items():
+        if name.endswith((".scales", ".biases")):  # quantization data (Linear has .bias)
+            continue
+        base = name[: -len(".weight")] if name.endswith(".weight") else None
+        if base and f"{base}.scales" in params:
+            value = mx.dequantize(value, params[f"{base}.scales"], params[f"{base}.biases"],
+                                  group_size=group_size, bits=4)
+        out[name] = np.array(value.astype(mx.float32))
+    return out
+
+
+def _fold_q_lora(w: dict[str, np.ndarray], prefix: str, rng: np.random.Generator,
+                 gain: float) -> np.ndarray:
     """q_b(norm(q_a(x))) as one matrix: RMSNorm's per-token 1/rms replaced by its mean over
-    typical inputs (normalised hidden states). What a plain `q_proj` can best do."""
-    a = np.array(attn.q_a_proj.weight)  # [q_lora, hidden]
-    g = np.array(attn.q_a_layernorm.weight)  # [q_lora]
-    b = np.array(attn.q_b_proj.weight)  # [heads * q_head, q_lora]
+    typical inputs (normalised hidden states). What a plain `q_proj` can best do. `gain`
+    scales the scores (the draft has no YaRN attention scale to do it)."""
+    a = w[f"{prefix}.q_a_proj.weight"]  # [q_lora, hidden]
+    g = w[f"{prefix}.q_a_layernorm.weight"]  # [q_lora]
+    b = w[f"{prefix}.q_b_proj.weight"]  # [heads * q_head, q_lora]
     x = rng.standard_normal((512, a.shape[1]))
     rms = np.sqrt(((x @ a.T) ** 2).mean(-1)).mean()
-    return mx.array((b * g[None, :]) @ a / rms, dtype=mx.float32)
+    return gain * (b * g[None, :]) @ a / rms
 
 
-def moonlight_float() -> tuple[nn.Module, dict]:
-    """The draft before quantization: the Kimi replica's first DRAFT_LAYERS layers, its q LoRA
-    folded into `q_proj`, the same embeddings and final norm, the output head perturbed."""
-    target, _ = kimi_float()
-    lm = target.language_model
+def _yarn_score_gain(text_config: dict) -> float:
+    """The factor mlx-lm's DeepSeek-V3 attention multiplies its scale by under YaRN."""
+    scaling = text_config.get("rope_scaling") or {}
+    mscale_all_dim, factor = scaling.get("mscale_all_dim", 0), scaling.get("factor", 1)
+    if not mscale_all_dim or factor <= 1:
+        return 1.0
+    s = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+    return s * s
+
+
+def moonlight_float(layers: int = DRAFT_LAYERS) -> tuple[nn.Module, dict]:
+    """The draft before quantization, derived from the Kimi replica as written (dequantized, so
+    re-quantizing the copied matrices at the same group size is exact): its first `layers`
+    layers, each q LoRA folded into a plain `q_proj`, the same embeddings, norm and head."""
+    target, _ = kimi_quantized()
+    w = {k[len("language_model."):]: v
+         for k, v in _dequantized(target, QUANT["kimi-k25-mini"]).items()}
     rng = np.random.default_rng(MOONLIGHT_SEED)
-    draft = _instantiate(MOONLIGHT, MOONLIGHT_SEED)
-    keep = tuple(f"model.layers.{i}." for i in range(DRAFT_LAYERS))
-    weights = []
-    for name, value in tree_flatten(lm.parameters()):
+    config = {**MOONLIGHT, "num_hidden_layers": layers}
+    draft = _instantiate(config, MOONLIGHT_SEED)
+    keep = tuple(f"model.layers.{i}." for i in range(layers))
+    weights = {}
+    for name, value in w.items():
         if name.startswith("model.layers.") and not name.startswith(keep):
             continue
         if ".q_a_proj." in name or ".q_a_layernorm." in name or ".q_b_proj." in name:
             continue
-        weights.append((name, value))
-    for i in range(DRAFT_LAYERS):
-        weights.append((f"model.layers.{i}.self_attn.q_proj.weight",
-                        _fold_q_lora(lm.model.layers[i].self_attn, rng)))
-    head = np.array(lm.lm_head.weight)
-    noise = rng.standard_normal(head.shape) * head.std() * DRAFT_HEAD_NOISE
-    noise[list(SPECIAL_IDS)] = 0.0
-    weights = [(k, v) for k, v in weights if k != "lm_head.weight"]
-    weights.append(("lm_head.weight", mx.array(head + noise, dtype=mx.float32)))
-    draft.load_weights(weights, strict=True)
+        weights[name] = value
+    gain = _yarn_score_gain(KIMI_TEXT)
+    for i in range(layers):
+        prefix = f"model.layers.{i}.self_attn"
+        weights[f"{prefix}.q_proj.weight"] = _fold_q_lora(w, prefix, rng, gain)
+    draft.load_weights([(k, mx.array(v, dtype=mx.float32)) for k, v in weights.items()], strict=True)
     mx.eval(draft.parameters())
-    return draft, MOONLIGHT
+    return draft, config
 
 
 def _write_kimi(out: Path) -> dict:
-    model, config = kimi_float()
-    config = _quantize(model, config, QUANT["kimi-k25-mini"])
+    model, config = kimi_quantized()
     _save(out, dict(tree_flatten(model.parameters())), config)
     return {}
 
@@ -372,97 +413,78 @@ def _write_moonlight(out: Path) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 def glm5_float() -> tuple[nn.Module, dict]:
+    """The GLM-5 replica before quantization (float32)."""
     model = _instantiate(GLM5, GLM5_SEED)
-    _dress(model, GLM5_SEED)
+    _dress(model, GLM5_SEED, GLM5_DEPTH_DECAY)
     return model, GLM5
 
 
-def _sample(model: nn.Module, view, batch: int, length: int, temperature: float,
-            key: mx.array) -> mx.array:
-    """`batch` sequences the model writes itself from a random first token."""
-    from mlx_lm.models.cache import make_prompt_cache
+def _dense_as_moe(w: dict[str, np.ndarray], dense: str, config: dict) -> dict[str, np.ndarray]:
+    """A dense SwiGLU MLP (`dense`.{gate,up,down}_proj) as the MoE block of an MTP layer,
+    exactly: its hidden units split between the shared expert and every routed expert (each
+    routed output is weighted by normalised top-k scores times routed_scaling_factor)."""
+    shared = config["moe_intermediate_size"] * config["n_shared_experts"]
+    routed = config["moe_intermediate_size"]
+    gate, up, down = (w[f"{dense}.{p}_proj.weight"] for p in ("gate", "up", "down"))
+    if gate.shape[0] != shared + routed:
+        raise ValueError(f"dense intermediate {gate.shape[0]} != shared {shared} + routed {routed}")
+    experts = config["n_routed_experts"]
+    scale = 1.0 / config["routed_scaling_factor"]
+    stack = lambda m: np.repeat(m[None], experts, axis=0)  # noqa: E731
+    return {
+        "mlp.shared_experts.gate_proj.weight": gate[:shared],
+        "mlp.shared_experts.up_proj.weight": up[:shared],
+        "mlp.shared_experts.down_proj.weight": down[:, :shared],
+        "mlp.switch_mlp.gate_proj.weight": stack(gate[shared:]),
+        "mlp.switch_mlp.up_proj.weight": stack(up[shared:]),
+        "mlp.switch_mlp.down_proj.weight": stack(down[:, shared:] * scale),
+        "mlp.gate.weight": np.zeros((experts, config["hidden_size"]), np.float32),
+        "mlp.gate.e_score_correction_bias": np.zeros((experts,), np.float32),
+    }
 
-    k_first, key = mx.random.split(key)
-    tokens = mx.random.randint(len(SPECIAL_IDS), VOCAB_SIZE, (batch, 1), key=k_first)
-    cache = make_prompt_cache(model)
-    out = [tokens]
-    for _ in range(length - 1):
-        logits = view.logits(view.hidden(out[-1], cache))[:, -1]
-        if temperature == 0:
-            nxt = logits.argmax(-1)
-        else:
-            k, key = mx.random.split(key)
-            nxt = mx.random.categorical(logits / temperature, key=k)
-        out.append(nxt[:, None].astype(mx.int32))
-        mx.eval(out[-1])
-    return mx.concatenate(out, axis=1)
 
-
-def _train_mtp(target: nn.Module, config: dict):
-    """An MTP head distilled (forward KL at t+2) on sequences the quantized target writes itself,
-    greedy and at temperature 1: a few seconds, deterministic."""
-    import mlx.optimizers as optim
-
+def _mtp_from_first_layer(target: nn.Module, w: dict[str, np.ndarray], config: dict):
+    """The MTP head the replica's shape admits in closed form: `eh_proj` passes the next token's
+    embedding through (undoing `enorm`'s scale), the block is the target's layer 0, and the
+    shared head its final norm. It computes the target truncated to its dominant first layer
+    one position ahead; later layers (GLM5_DEPTH_DECAY) are what it misses."""
     from ..models.mtp import MTPHead, make_block_like
-    from ..models.view import ModelView
 
-    view = ModelView(target)
-    mx.random.seed(GLM5_SEED + 1)
-    head = MTPHead(make_block_like(target, config["num_hidden_layers"]), config["hidden_size"],
-                   config["rms_norm_eps"])
-    # Start from the target's last block: the same function of its input, a head start.
-    last = dict(tree_flatten(target.model.layers[-1].parameters()))
-    if not any(k.endswith(".scales") for k in last):
-        head.block.load_weights(list(last.items()))
-    head.shared_head.norm.weight = target.model.norm.weight
-    head.set_dtype(mx.float32)
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    embed = w["model.embed_tokens.weight"]
+    rms = float(np.sqrt((embed[len(SPECIAL_IDS):] ** 2).mean(-1)).mean())
+    params = {
+        "enorm.weight": np.ones(hidden, np.float32),
+        "hnorm.weight": np.ones(hidden, np.float32),
+        "eh_proj.weight": np.concatenate([rms * np.eye(hidden), np.zeros((hidden, hidden))],
+                                         axis=1).astype(np.float32),
+        "shared_head.norm.weight": w["model.norm.weight"],
+    }
+    first = "model.layers.0."
+    for name, value in w.items():
+        if name.startswith(first) and ".mlp." not in name:
+            params["block." + name[len(first):]] = value
+    dense_is_first = config["first_k_dense_replace"] > 0
+    if dense_is_first:
+        params.update({"block." + k: v for k, v in _dense_as_moe(w, first + "mlp", config).items()})
+    else:
+        params.update({"block." + k[len(first):]: v for k, v in w.items()
+                       if k.startswith(first + "mlp.")})
+    head = MTPHead(make_block_like(target, layers), hidden, config["rms_norm_eps"])
+    head.load_weights([(k, mx.array(v, dtype=mx.float32)) for k, v in params.items()], strict=True)
     mx.eval(head.parameters())
-
-    key = mx.random.key(GLM5_SEED + 2)
-    seqs = []
-    for temperature in (0.0, 1.0, 0.7):
-        key, k = mx.random.split(key)
-        seqs.append(_sample(target, view, MTP_BATCH * 2, MTP_SEQ + 2, temperature, k))
-    data = mx.concatenate(seqs, axis=0)
-    hidden_all, teacher_all = [], []
-    for i in range(0, data.shape[0], MTP_BATCH):
-        logits, hidden = view.forward(data[i:i + MTP_BATCH, :-1])
-        mx.eval(logits, hidden)
-        hidden_all.append(hidden)
-        teacher_all.append(nn.log_softmax(logits, axis=-1))
-    hidden_all = mx.concatenate(hidden_all)
-    teacher_all = mx.concatenate(teacher_all)
-
-    def loss_fn(tokens, hidden, teacher):
-        logits, _ = head(tokens[:, 1:-1], hidden[:, :-1], view)
-        s = nn.log_softmax(logits, axis=-1)
-        t = teacher[:, 1:]
-        return (mx.exp(t) * (t - s)).sum(-1).mean()
-
-    optimizer = optim.Adam(learning_rate=optim.cosine_decay(MTP_LR, MTP_STEPS, MTP_LR * 0.05))
-    step = nn.value_and_grad(head, loss_fn)
-    rng = np.random.default_rng(GLM5_SEED + 3)
-    n = data.shape[0]
-    losses = []
-    for _ in range(MTP_STEPS):
-        idx = mx.array(rng.choice(n, size=MTP_BATCH, replace=False))
-        loss, grads = step(data[idx], hidden_all[idx], teacher_all[idx])
-        optimizer.update(head, grads)
-        mx.eval(head.parameters(), optimizer.state, loss)
-        losses.append(loss.item())
-    return head, {"mtp_kl_first": round(losses[0], 3), "mtp_kl_last": round(float(np.mean(losses[-10:])), 3)}
+    return head
 
 
 def _write_glm5(out: Path) -> dict:
     model, config = glm5_float()
     config = _quantize(model, config, QUANT["glm5-mini"])
     _save(out, dict(tree_flatten(model.parameters())), config)
-    # The MTP head learns the target as it runs: the quantized body, computed in float32.
-    model.set_dtype(mx.float32)
-    head, report = _train_mtp(model, config)
+    # The MTP head is derived from the target as it runs: the quantized body, dequantized.
+    head = _mtp_from_first_layer(model, _dequantized(model, QUANT["glm5-mini"]), config)
     mtp = {k: v.astype(mx.bfloat16) for k, v in head.layout_weights(config["num_hidden_layers"]).items()}
     _save(out, mtp, None, file="mtp.safetensors")
-    return report
+    return {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -483,7 +505,7 @@ REPLICAS: dict[str, Replica] = {
                 "Kimi K2.5 replica: kimi_k25 / deepseek_v3 MLA + MoE, 4-bit g32"),
         Replica("moonlight-mini", "mlx-community/Moonlight-16B-A3B-Instruct-4-bit",
                 _write_moonlight,
-                "Moonlight draft replica for kimi-k25-mini: deepseek_v3, 4-bit g64"),
+                "Moonlight draft replica for kimi-k25-mini: deepseek_v3, 4-bit g32"),
         Replica("glm5-mini", "mlx-community/GLM-5-4bit", _write_glm5,
                 "GLM-5 replica: glm_moe_dsa (DSA indexer), 4-bit g64, bf16 MTP layer"),
     )

@@ -3,7 +3,10 @@
 `built:tiny-wide` is the embedded target widened to hidden 1664 (~206M parameters, float32,
 the same logits; see widen.py) with its widened MTP head: a bandwidth-bound stand-in for a
 real target, drafted by the unchanged embedded:tiny-draft. `built:tiny-wide-N` is the same at
-hidden N. Dirs live in paths.cache_dir()/models/NAME and are plain mlx-lm model dirs.
+hidden N. `built:kimi-k25-mini`, `built:moonlight-mini` and `built:glm5-mini` are miniature
+replicas of the seed profiles' models (forge/replicas.py: their architectures, config keys,
+layouts and quantization, a few MB each, built deterministically in seconds). Dirs live in
+paths.cache_dir()/models/NAME and are plain mlx-lm model dirs.
 """
 
 from __future__ import annotations
@@ -32,6 +35,16 @@ BUILD_VERSION = 1  # bump when the written files change, so old caches are rebui
 _NAME = re.compile(r"tiny-wide(?:-(\d+))?")
 
 
+def replica_names() -> list[str]:
+    from ..forge.replicas import REPLICAS
+
+    return list(REPLICAS)
+
+
+def is_replica(name: str) -> bool:
+    return name in replica_names()
+
+
 def wide_hidden(name: str) -> int:
     from .loader import embedded_dir
     from .widen import widened_config
@@ -39,7 +52,8 @@ def wide_hidden(name: str) -> int:
     match = _NAME.fullmatch(name)
     if not match:
         raise ModelLoadError(f"no built model {name!r}; built models: tiny-wide (hidden "
-                             f"{WIDE_HIDDEN}, ~206M parameters), tiny-wide-N (hidden N)")
+                             f"{WIDE_HIDDEN}, ~206M parameters), tiny-wide-N (hidden N), "
+                             f"{', '.join(replica_names())} (replicas of the seed models)")
     hidden = int(match.group(1) or WIDE_HIDDEN)
     try:
         widened_config(json.loads((embedded_dir() / SOURCE / "config.json").read_text()), hidden)
@@ -49,7 +63,8 @@ def wide_hidden(name: str) -> int:
 
 
 def built_dir(name: str) -> Path:
-    wide_hidden(name)  # validates the name
+    if not is_replica(name):
+        wide_hidden(name)  # validates the name
     return cache_dir() / "models" / name
 
 
@@ -64,9 +79,21 @@ def _stamp(hidden: int) -> dict:
             "version": BUILD_VERSION}
 
 
-def is_current(path: Path, hidden: int) -> bool:
+def _replica_stamp(name: str) -> dict:
+    # The generator's own source and the tokenizer it copies: editing either rebuilds.
+    from ..forge.replicas import recipe_digest
+
+    return {"recipe": name, "source": recipe_digest().hex()[:16], "version": BUILD_VERSION}
+
+
+def _stamp_for(name: str) -> dict:
+    return _replica_stamp(name) if is_replica(name) else _stamp(wide_hidden(name))
+
+
+def is_current(path: Path, hidden_or_stamp: int | dict) -> bool:
+    stamp = hidden_or_stamp if isinstance(hidden_or_stamp, dict) else _stamp(hidden_or_stamp)
     try:
-        return json.loads((path / STAMP).read_text()) == _stamp(hidden)
+        return json.loads((path / STAMP).read_text()) == stamp
     except (OSError, ValueError):
         return False
 
@@ -74,13 +101,16 @@ def is_current(path: Path, hidden: int) -> bool:
 def find_built(name: str) -> Path | None:
     """The built dir if it exists and is current; never builds."""
     path = built_dir(name)
-    return path if is_current(path, wide_hidden(name)) else None
+    return path if is_current(path, _stamp_for(name)) else None
 
 
 def ensure_built(name: str) -> Path:
     """`built:NAME` -> its dir, building it first if missing or stale."""
+    what = f"building {name} (first use)"
+    if is_replica(name):
+        return find_built(name) or build_replica(name, built_dir(name), force=False, what=what)
     return find_built(name) or build_wide(built_dir(name), wide_hidden(name), force=False,
-                                          what=f"building {name} (first use)")
+                                          what=what)
 
 
 @contextmanager
@@ -97,13 +127,33 @@ def _locked(path: Path):
 def build_wide(out: Path, hidden: int, force: bool = True, what: str | None = None) -> Path:
     """Write the widened target to `out` atomically: built in a temp dir beside it, then renamed,
     so a concurrent or interrupted build never leaves a half dir at `out`."""
+    out = _build(out, _stamp(hidden), lambda tmp: _write_wide(tmp, hidden), force, what)
+    logger.info("built %s (hidden %d)", out, hidden)
+    return out
+
+
+def build_replica(name: str, out: Path, force: bool = True, what: str | None = None) -> Path:
+    """Write replica `name` (forge/replicas.py) to `out`, atomically as build_wide does."""
+    out = _build(out, _replica_stamp(name), lambda tmp: _write_replica(tmp, name), force, what)
+    logger.info("built replica %s in %s", name, out)
+    return out
+
+
+def _write_replica(out: Path, name: str) -> None:
+    from ..forge.replicas import write_replica
+
+    write_replica(name, out)
+    (out / STAMP).write_text(json.dumps(_replica_stamp(name), indent=2) + "\n")
+
+
+def _build(out: Path, stamp: dict, write, force: bool, what: str | None) -> Path:
     out = out.expanduser().resolve()
     if out.exists() and not (out / STAMP).is_file():
         raise ModelLoadError(f"{out} exists and is not a macspec build; remove it or choose "
                              "another directory")
     out.parent.mkdir(parents=True, exist_ok=True)
     with _locked(out.parent / f".{out.name}.lock"):
-        if not force and is_current(out, hidden):
+        if not force and is_current(out, stamp):
             return out  # another process built it while we waited
         for stale in out.parent.glob(f".{out.name}.tmp-*"):  # left by a killed build
             shutil.rmtree(stale, ignore_errors=True)
@@ -112,14 +162,13 @@ def build_wide(out: Path, hidden: int, force: bool = True, what: str | None = No
         tmp.mkdir()
         try:
             with phase(what or f"building {out.name}"):
-                _write_wide(tmp, hidden)
+                write(tmp)
             if out.exists():
                 out.rename(old)
             tmp.rename(out)
         finally:
             for leftover in (tmp, old):
                 shutil.rmtree(leftover, ignore_errors=True)
-    logger.info("built %s (hidden %d)", out, hidden)
     return out
 
 
