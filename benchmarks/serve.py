@@ -1,7 +1,9 @@
 """Serving benchmark: macspec serve vs mlx_lm.server, same model dirs, side by side in one run.
 
 For 1, 4, 8, 16 concurrent streaming clients (each sends --rounds requests back to back):
-aggregate completion tok/s, TTFT p50/p95, per configuration:
+aggregate completion tok/s, TTFT p50/p95, per configuration. Each server first runs one untimed
+pass at the highest concurrency (first-time batch shapes and buffer growth cost seconds); then
+per level its variants alternate --repeats times and the median is reported:
   macspec spec on (profile's method, adaptive k) | macspec spec off (speculative.method = none)
   mlx_lm.server plain | mlx_lm.server with the draft model (--draft-model).
 Both servers load the same float32 model dirs (CPU matmuls are slow in bf16) and both run with
@@ -119,6 +121,14 @@ async def scenario(url: str, concurrency: int, rounds: int, texts: list[str], ex
             "ttft_p95_ms": round(1e3 * ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))], 1) if ttfts else None}
 
 
+def median_row(rows: list[dict]) -> dict:
+    """The repeat with the median throughput (its other figures come with it)."""
+    ordered = sorted(rows, key=lambda r: r["tok_per_s"])
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    row["tok_per_s_all"] = [r["tok_per_s"] for r in rows]
+    return row
+
+
 def Server(name: str, argv: list[str], port: int, log: Path) -> LaunchedServer:
     """A server process with its own MACSPEC_HOME next to its log."""
     return LaunchedServer(name, argv, port, log, {"MACSPEC_HOME": str(log.parent / "home")})
@@ -136,6 +146,7 @@ def main() -> None:
     ap.add_argument("--target", default="tiny-wide", choices=("tiny", "tiny-wide"))
     ap.add_argument("--draft", default="distilled", choices=("distilled", "random"))
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--repeats", type=int, default=2, help="alternating repeats per level (median)")
     args = ap.parse_args()
     if args.quick:
         args.concurrency, args.max_tokens, args.rounds = "1,4", 32, 1
@@ -163,34 +174,42 @@ def main() -> None:
     py = sys.executable
     mlx_lm_cmd = [py, "-c", "import macspec, runpy, sys; sys.argv = sys.argv[1:]; "
                   "runpy.run_module('mlx_lm.server', run_name='__main__')", "mlx_lm.server"]
-    configs = [("macspec spec on", [py, "-m", "macspec", "serve", "--profile", str(profile)], {}, "/health"),
-               ("macspec spec off", None, {"speculative": {"method": "none"}}, "/health")]
+    # One server per entry; its variants (request extras) run alternately on it, so spec on and
+    # spec off are measured side by side on the same warm server.
+    servers = [("macspec", [py, "-m", "macspec", "serve", "--profile", str(profile)], "/health",
+                [("macspec spec on", {}), ("macspec spec off", {"speculative": {"method": "none"}})])]
     if not args.no_mlx_lm:
         base = [*mlx_lm_cmd, "--model", str(target), "--max-tokens", str(args.max_tokens)]
-        configs += [("mlx_lm.server", base, {}, "/v1/models"),
-                     ("mlx_lm.server draft", [*base, "--draft-model", str(draft), "--num-draft-tokens",
-                                              str(args.num_draft)], {}, "/v1/models")]
+        servers += [("mlx_lm.server", base, "/v1/models", [("mlx_lm.server", {})]),
+                    ("mlx_lm.server draft", [*base, "--draft-model", str(draft), "--num-draft-tokens",
+                                             str(args.num_draft)], "/v1/models", [("mlx_lm.server draft", {})])]
     table: dict[str, dict] = {}
     server = None
-    for name, argv, extra, probe in configs:
-        if argv is not None:
-            if server:
-                server.stop()
-            port = free_port()
-            flag = ["--port", str(port)]
-            server = Server(name, argv + flag, port, work / f"{name.replace(' ', '_')}.log")
-            server.wait_ready(probe, timeout=300)
-        table[name] = {}
+    for label, argv, probe, variants in servers:
+        if server:
+            server.stop()
+        port = free_port()
+        server = Server(label, argv + ["--port", str(port)], port, work / f"{label.replace(' ', '_')}.log")
+        server.wait_ready(probe, timeout=300)
+        for name, extra in variants:  # untimed: every batch shape and buffer size seen once
+            asyncio.run(scenario(server.url, max(levels), 1, texts, extra, args.max_tokens, tokenizer,
+                                 args.temperature))
         for c in levels:
-            before = engine_status(server.url, probe)
-            table[name][c] = asyncio.run(scenario(server.url, c, args.rounds, texts, extra,
-                                                  args.max_tokens, tokenizer, args.temperature))
-            row = table[name][c]
-            row.update(step_figures(before, engine_status(server.url, probe)))
-            extra_text = (f"  {row['syncs_per_step']} syncs/step, mean k {row['mean_k']}, "
-                          f"{row['tokens_per_step']} tok/row-step" if "syncs_per_step" in row else "")
-            print(f"{name:22s} c={c:2d}  {row['tok_per_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50_ms']} ms "
-                  f"p95 {row['ttft_p95_ms']} ms  errors {len(row['errors'])}{extra_text}", flush=True)
+            for name, extra in variants:
+                table.setdefault(name, {})[c] = []
+            for _ in range(args.repeats):
+                for name, extra in variants:
+                    before = engine_status(server.url, probe)
+                    row = asyncio.run(scenario(server.url, c, args.rounds, texts, extra,
+                                               args.max_tokens, tokenizer, args.temperature))
+                    row.update(step_figures(before, engine_status(server.url, probe)))
+                    table[name][c].append(row)
+            for name, _ in variants:
+                table[name][c] = row = median_row(table[name][c])
+                extra_text = (f"  {row['syncs_per_step']} syncs/step, mean k {row['mean_k']}, "
+                              f"{row['tokens_per_step']} tok/row-step" if "syncs_per_step" in row else "")
+                print(f"{name:22s} c={c:2d}  {row['tok_per_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50_ms']} ms "
+                      f"p95 {row['ttft_p95_ms']} ms  errors {len(row['errors'])}{extra_text}", flush=True)
     if server:
         server.stop()
     print(f"\nBLAS {blas_info().name}; target {args.target}, {args.draft} draft; {args.rounds} request(s) "

@@ -76,6 +76,8 @@ class Engine:
         # Acceptance per draft position by method, across requests: a new request starts here.
         self.priors: dict[str, AcceptancePrior] = {}
         self.host_syncs = 0  # host syncs in decode steps (one per step without TP)
+        # Where engine time goes (seconds): the bench reads these to explain a step's cost.
+        self.time_s = {"prefill": 0.0, "plan": 0.0, "build": 0.0, "sync": 0.0, "commit": 0.0, "close": 0.0}
         self.batch_histogram: dict[int, int] = {}
         self.live_counts = {"running": 0, "prefilling": 0, "waiting": 0}  # replaced, never mutated
         self._last_log = time.perf_counter()
@@ -166,8 +168,10 @@ class Engine:
         self._publish_counts()
         chunk = self.scheduler.next_prefill()
         if chunk is not None:
+            t0 = time.perf_counter()
             try:
                 self._prefill(*chunk)
+                self.time_s["prefill"] += time.perf_counter() - t0
             except Exception as exc:
                 if self.tp is not None:  # the ranks may no longer be in lock-step
                     raise
@@ -216,6 +220,7 @@ class Engine:
         t_start = time.perf_counter()
         self._retain_group_rows(rows)
         ks = self._plan(rows)
+        t_planned = time.perf_counter()
         drafts = self._propose(rows, ks)
         ks = [min(k, _draft_length(d)) if d is not None else 0 for k, d in zip(ks, drafts)]
         window = max(ks) + 1
@@ -227,6 +232,7 @@ class Engine:
             flat = self._sync(tokens).tolist()
             logits, hidden = self.runner.decode(len(rows), window, [t for row in flat for t in row])
         verdicts = self._verdicts(rows, ks, drafts, tokens, logits)
+        t_built = time.perf_counter()
         host = self._sync(mx.concatenate([verdicts, tokens[:, 1:]], axis=1), *self._group_arrays()).tolist()
         t_synced = time.perf_counter()
         kept, accepted = [], {}
@@ -251,6 +257,10 @@ class Engine:
         for index in reversed(range(len(rows))):
             if rows[index].finished:
                 self._close(self.scheduler.remove_row(index, keep_prefix=True))
+        for key, seconds in (("plan", t_planned - t_start), ("build", t_built - t_planned),
+                             ("sync", t_synced - t_built), ("commit", t_end - t_synced),
+                             ("close", time.perf_counter() - t_end)):
+            self.time_s[key] += seconds
 
     def _sync(self, out: mx.array, *more) -> mx.array:
         """Evaluate (one host round trip), counted: the bench reports syncs per step."""
@@ -537,7 +547,8 @@ class Engine:
     def calibrate(self) -> None:
         """Time the target forward at a few (rows, window) shapes to seed the cost model."""
         k_max = max(1, self.runtime.profile.speculative.num_draft_tokens)
-        for rows in sorted({1, min(4, self.max_batch)}):
+        # The largest batch too: on a CPU a wide batch leaves the bandwidth-bound regime.
+        for rows in sorted({1, min(4, self.max_batch), self.max_batch}):
             for window in (1, k_max + 1):
                 # The first run of a shape pays one-off costs.
                 for seconds in self.runner.time_forward(rows, window, 3)[1:]:
@@ -621,6 +632,7 @@ class Engine:
             "speculation_faults": self.spec_faults.as_dict(),
             "rows": {"k_in_use": [seq.row.last_k for seq in rows], "states": states},
             "host_syncs": self.host_syncs,
+            "time_ms": {k: round(v * 1e3, 1) for k, v in self.time_s.items()},
             "host_syncs_per_step": round(self.host_syncs / max(1, self.totals["steps"]), 3),
             "acceptance_priors": {m: [round(a, 3) for a in p.alphas] for m, p in self.priors.items()},
             "cost_model": self.planner.as_dict(),
