@@ -58,7 +58,7 @@ def test_mini_values_are_the_miniature_ones(seed):
 
 
 def test_mini_paths_name_the_replicas():
-    from macspec.forge.replicas import REPLICAS
+    from macspec.models.replicas import REPLICAS
 
     kimi, glm = load_profile("kimi-tp2-mini"), load_profile("glm5-mtp-mini")
     assert kimi.model.path == "built:kimi-k25-mini"

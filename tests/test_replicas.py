@@ -1,4 +1,4 @@
-"""Miniature replicas of the seed models (forge/replicas.py): built deterministically, real mlx-lm
+"""Miniature replicas of the seed models (models/replicas.py): built deterministically, real mlx-lm
 dirs with the real checkpoints' model_type, config keys, layout and quantization, one tokenizer
 for the Kimi/Moonlight pair, an unquantized GLM MTP layer, and partial agreement by design.
 
@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 from click.testing import CliRunner
 
 from macspec.cli import main
-from macspec.forge.replicas import REPLICAS
+from macspec.models.replicas import REPLICAS
 from macspec.models import built
 from macspec.models.loader import find_local_model, resolve_path, safetensors_header
 

@@ -4,7 +4,7 @@
 the same logits; see widen.py) with its widened MTP head: a bandwidth-bound stand-in for a
 real target, drafted by the unchanged embedded:tiny-draft. `built:tiny-wide-N` is the same at
 hidden N. `built:kimi-k25-mini`, `built:moonlight-mini` and `built:glm5-mini` are miniature
-replicas of the seed profiles' models (forge/replicas.py: their architectures, config keys,
+replicas of the seed profiles' models (models/replicas.py: their architectures, config keys,
 layouts and quantization, a few MB each, built deterministically in seconds). Dirs live in
 paths.cache_dir()/models/NAME and are plain mlx-lm model dirs.
 """
@@ -36,7 +36,7 @@ _NAME = re.compile(r"tiny-wide(?:-(\d+))?")
 
 
 def replica_names() -> list[str]:
-    from ..forge.replicas import REPLICAS
+    from .replicas import REPLICAS
 
     return list(REPLICAS)
 
@@ -81,7 +81,7 @@ def _stamp(hidden: int) -> dict:
 
 def _replica_stamp(name: str) -> dict:
     # The generator's own source and the tokenizer it copies: editing either rebuilds.
-    from ..forge.replicas import recipe_digest
+    from .replicas import recipe_digest
 
     return {"recipe": name, "source": recipe_digest().hex()[:16], "version": BUILD_VERSION}
 
@@ -133,14 +133,14 @@ def build_wide(out: Path, hidden: int, force: bool = True, what: str | None = No
 
 
 def build_replica(name: str, out: Path, force: bool = True, what: str | None = None) -> Path:
-    """Write replica `name` (forge/replicas.py) to `out`, atomically as build_wide does."""
+    """Write replica `name` (models/replicas.py) to `out`, atomically as build_wide does."""
     out = _build(out, _replica_stamp(name), lambda tmp: _write_replica(tmp, name), force, what)
     logger.info("built replica %s in %s", name, out)
     return out
 
 
 def _write_replica(out: Path, name: str) -> None:
-    from ..forge.replicas import write_replica
+    from .replicas import write_replica
 
     write_replica(name, out)
     (out / STAMP).write_text(json.dumps(_replica_stamp(name), indent=2) + "\n")

@@ -16,6 +16,7 @@ import mlx.nn as nn
 from ..errors import ModelLoadError, UnsupportedModelError
 from .built import BUILT_PREFIX, ensure_built, find_built
 from .mtp import MTPHead, make_block_like
+from .textconfig import language_config
 from .view import ModelView
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,7 @@ def load_model(spec: str, dtype: str = "auto", revision: str | None = None,
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except (ValueError, FileNotFoundError, KeyError, OSError) as err:
         raise ModelLoadError(f"{path}: cannot load model: {err}") from None
+    config = language_config(config)
     if group is not None and group.size() > 1:
         _shard(model, group, path, config)
     target_dtype = compute_dtype(dtype)

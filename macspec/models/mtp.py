@@ -43,7 +43,9 @@ class MTPHead(nn.Module):
         embed = self.embed_tokens if "embed_tokens" in self else target.embed
         x = mx.concatenate([self.enorm(embed(tokens)), self.hnorm(prev_hidden)], axis=-1)
         h = self.eh_proj(x)
-        mask = create_attention_mask(h, cache, return_array=True)  # MLA blocks need an array
+        # MLA blocks need an array; a CacheList (DSA indexer beside the latent) masks by its first.
+        mask = create_attention_mask(h, cache[0] if hasattr(cache, "caches") else cache,
+                                     return_array=True)
         h = self.block(h, mask, cache)
         normed = self.shared_head.norm(h)
         if "head" in self.shared_head:

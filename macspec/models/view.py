@@ -14,7 +14,9 @@ class ModelView:
     def __init__(self, model: nn.Module):
         self.model = model
         self.inner = model.model
-        self.tied = not hasattr(model, "lm_head")
+        # Multimodal wrappers (Kimi K2.5) keep the head on their language model.
+        self.head_owner = getattr(model, "language_model", model)
+        self.tied = not hasattr(self.head_owner, "lm_head")
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self.inner.embed_tokens(tokens)
@@ -25,7 +27,7 @@ class ModelView:
     def logits(self, hidden: mx.array) -> mx.array:
         if self.tied:
             return self.inner.embed_tokens.as_linear(hidden)
-        return self.model.lm_head(hidden)
+        return self.head_owner.lm_head(hidden)
 
     def forward(self, tokens: mx.array, cache=None) -> tuple[mx.array, mx.array]:
         """-> (logits, hidden) in one pass."""

@@ -17,6 +17,7 @@ from pathlib import Path
 from ..config import Profile
 from . import macos
 from .memory import GB_FIT_SLACK, MB, kv_bytes_per_token, weight_sizes
+from ..models.textconfig import language_config
 
 OK, WARN, FAIL, NA = "ok", "warn", "fail", "n/a"
 SYMBOLS = {OK: "✓", WARN: "⚠", FAIL: "✗", NA: "·"}
@@ -197,7 +198,7 @@ class Doctor:
                      "upgrade mlx-lm (pip install -U mlx-lm) or choose a supported model")
             return None
         self.add(f"{role} model", OK, f"{ref} ({config.get('model_type')}, {path})")
-        self.model_configs[role] = config
+        self.model_configs[role] = language_config(config)
         return path
 
     def _mtp_check(self) -> None:

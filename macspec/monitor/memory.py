@@ -18,6 +18,7 @@ import psutil
 
 from ..errors import MacspecError
 from ..models.loader import safetensors_header
+from ..models.textconfig import language_config
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +32,14 @@ HEADROOM = 0.10  # of the memory limit, kept free for activations, the buffer ca
 def kv_bytes_per_token(config: dict, dtype_bytes: int, tp: int = 1, layers: int | None = None) -> int:
     """Bytes one token's KV takes on one rank. MLA models (kv_lora_rank) cache the compressed
     latent plus the RoPE key, shared by every head, so TP does not split them; standard and
-    grouped-query attention cache K and V per KV head, split over the TP ranks."""
+    grouped-query attention cache K and V per KV head, split over the TP ranks. A DSA indexer
+    (GLM-5, DeepSeek-V3.2) caches its own keys per layer, plus as many zeroed values."""
+    config = language_config(config)
     layers = config["num_hidden_layers"] if layers is None else layers
     if config.get("kv_lora_rank"):
         elements = config["kv_lora_rank"] + config.get("qk_rope_head_dim", 64)
+        if config.get("index_head_dim") and config.get("index_topk"):
+            elements += 2 * config["index_head_dim"]
     else:
         heads = config.get("num_key_value_heads") or config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
@@ -63,7 +68,7 @@ def weight_sizes(model_dir: Path) -> WeightSizes:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise MacspecError(f"{model_dir}: no *.safetensors files")
-    config = json.loads((model_dir / "config.json").read_text())
+    config = language_config(json.loads((model_dir / "config.json").read_text()))
     num_layers = config.get("num_hidden_layers", 1 << 30)
     layers = other = half = mtp = 0
     for file in files:

@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 FORGET = 0.97  # weight of past observations per new one in the forward-cost fit
 RIDGE = 1e-6  # fixed, relative to the Gram matrix's scale: identical observations stay solvable
 EWMA = 0.1
+RESOLVE_EVERY = 16  # observations between solves of the forward-cost fit
 NEAR_TIE = 1.02  # prefer the smaller k unless the larger is 2% better
 
 
@@ -35,7 +36,7 @@ class ForwardCostModel:
         self.gram = np.zeros((3, 3))
         self.moment = np.zeros(3)
         self._coef = np.zeros(3)
-        self._stale = False  # observations since the last solve (solved when next needed)
+        self._stale = 0  # observations since the last solve (solved when next needed)
         self.num_observations = 0
 
     @staticmethod
@@ -44,8 +45,10 @@ class ForwardCostModel:
 
     @property
     def coef(self) -> np.ndarray:
-        if self._stale:
-            self._stale = False
+        # A solve costs ~0.5 ms; one observation barely moves the fit, so re-solve once enough
+        # have arrived (every one during the first few, which set the fit from scratch).
+        if self._stale >= (1 if self.num_observations < 32 else RESOLVE_EVERY):
+            self._stale = 0
             coef = _nonnegative_solve(self.gram, self.moment)
             if np.isfinite(coef).all():  # else keep the last good fit
                 self._coef = coef
@@ -58,15 +61,13 @@ class ForwardCostModel:
             return  # a clock glitch must not poison the fit
         x = self.features(rows, window)
         if self.num_observations > 8:  # a one-off stall (GC, a new shape) must not swing the fit
-            if self._stale and self.num_observations % 32 == 0:
-                _ = self.coef  # refresh the reference now and then
             reference = float(x @ self._coef)
             if reference > 0:
                 seconds = min(seconds, 3 * reference)
         self.gram = FORGET * self.gram + weight * (x[:, None] * x[None, :])
         self.moment = FORGET * self.moment + weight * seconds * x
         self.num_observations += 1
-        self._stale = True
+        self._stale += 1
 
     def predict(self, rows: int, window: int) -> float:
         return max(float(self.features(rows, window) @ self.coef), 1e-6)

@@ -237,7 +237,7 @@ GLM5_DEPTH_DECAY = 0.1  # the MTP head is GLM's layer 0 alone
 # ---------------------------------------------------------------------------------------------
 
 def _embedded_tokenizer_dir() -> Path:
-    from ..models.loader import embedded_dir
+    from .loader import embedded_dir
 
     return embedded_dir() / TOKENIZER_SOURCE
 
@@ -448,7 +448,7 @@ def _mtp_from_first_layer(target: nn.Module, w: dict[str, np.ndarray], config: d
     embedding through (undoing `enorm`'s scale), the block is the target's layer 0, and the
     shared head its final norm. It computes the target truncated to its dominant first layer
     one position ahead; later layers (GLM5_DEPTH_DECAY) are what it misses."""
-    from ..models.mtp import MTPHead, make_block_like
+    from .mtp import MTPHead, make_block_like
 
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     embed = w["model.embed_tokens.weight"]
