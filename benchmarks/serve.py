@@ -3,7 +3,7 @@
 For 1, 4, 8, 16 concurrent streaming clients (each sends --rounds requests back to back):
 aggregate completion tok/s, TTFT p50/p95, per configuration. Each server first runs one untimed
 pass at the highest concurrency (first-time batch shapes and buffer growth cost seconds); then
-per level its variants alternate --repeats times and the median is reported:
+per level its variants alternate --repeats times (order flipped each time), mean reported:
   macspec spec on (profile's method, adaptive k) | macspec spec off (speculative.method = none)
   mlx_lm.server plain | mlx_lm.server with the draft model (--draft-model).
 Both servers load the same float32 model dirs (CPU matmuls are slow in bf16) and both run with
@@ -121,11 +121,11 @@ async def scenario(url: str, concurrency: int, rounds: int, texts: list[str], ex
             "ttft_p95_ms": round(1e3 * ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))], 1) if ttfts else None}
 
 
-def median_row(rows: list[dict]) -> dict:
-    """The repeat with the median throughput (its other figures come with it)."""
-    ordered = sorted(rows, key=lambda r: r["tok_per_s"])
-    row = dict(ordered[(len(ordered) - 1) // 2])
+def mean_row(rows: list[dict]) -> dict:
+    """Throughput averaged over the repeats (the other figures from the last one)."""
+    row = dict(rows[-1])
     row["tok_per_s_all"] = [r["tok_per_s"] for r in rows]
+    row["tok_per_s"] = round(statistics.mean(row["tok_per_s_all"]), 1)
     return row
 
 
@@ -146,7 +146,7 @@ def main() -> None:
     ap.add_argument("--target", default="tiny-wide", choices=("tiny", "tiny-wide"))
     ap.add_argument("--draft", default="distilled", choices=("distilled", "random"))
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--repeats", type=int, default=2, help="alternating repeats per level (median)")
+    ap.add_argument("--repeats", type=int, default=2, help="alternating repeats per level (mean)")
     args = ap.parse_args()
     if args.quick:
         args.concurrency, args.max_tokens, args.rounds = "1,4", 32, 1
@@ -197,15 +197,17 @@ def main() -> None:
         for c in levels:
             for name, extra in variants:
                 table.setdefault(name, {})[c] = []
-            for _ in range(args.repeats):
-                for name, extra in variants:
+            for repeat in range(args.repeats):
+                # Alternate the order too: a machine that speeds up or slows down over a run
+                # must not favour whichever variant goes first.
+                for name, extra in (variants if repeat % 2 == 0 else variants[::-1]):
                     before = engine_status(server.url, probe)
                     row = asyncio.run(scenario(server.url, c, args.rounds, texts, extra,
                                                args.max_tokens, tokenizer, args.temperature))
                     row.update(step_figures(before, engine_status(server.url, probe)))
                     table[name][c].append(row)
             for name, _ in variants:
-                table[name][c] = row = median_row(table[name][c])
+                table[name][c] = row = mean_row(table[name][c])
                 extra_text = (f"  {row['syncs_per_step']} syncs/step, mean k {row['mean_k']}, "
                               f"{row['tokens_per_step']} tok/row-step" if "syncs_per_step" in row else "")
                 print(f"{name:22s} c={c:2d}  {row['tok_per_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50_ms']} ms "

@@ -75,6 +75,9 @@ class Engine:
         self.groups: dict[str, ProposerGroup] = {}  # method -> its proposer for all rows
         # Acceptance per draft position by method, across requests: a new request starts here.
         self.priors: dict[str, AcceptancePrior] = {}
+        # Probe backoff by method, across requests: a useless proposer is not re-probed at the
+        # minimum interval by every new request.
+        self.probe_intervals: dict[str, int] = {}
         self.host_syncs = 0  # host syncs in decode steps (one per step without TP)
         # Where engine time goes (seconds): the bench reads these to explain a step's cost.
         self.time_s = {"prefill": 0.0, "plan": 0.0, "build": 0.0, "sync": 0.0, "commit": 0.0, "close": 0.0}
@@ -142,7 +145,8 @@ class Engine:
                 f"+ max_tokens {req.max_tokens} tokens) but the server's KV budget is "
                 f"{self.memory.budget / MB:.1f} MB ({self.memory.source}); lower max_tokens", "max_tokens")
         row = RowController(k_max, adaptive, method, spec.probe_min_steps, spec.probe_max_steps,
-                            prior=self.priors[method].alphas if method in self.priors else None)
+                            prior=self.priors[method].alphas if method in self.priors else None,
+                            first_probe_interval=self.probe_intervals.get(method))
         stats = GenerationStats(method if proposer else "none", k_max)
         eos = set(req.stop_token_ids)
         if not req.ignore_eos:
@@ -352,6 +356,8 @@ class Engine:
         if row.k_max == 0:  # plain decoding: nothing to decide
             return
         row.observe(drafted, accepted, not row.adaptive or self.planner.pays_alone(row))
+        if row.num_probes:
+            self.probe_intervals[row.method] = row.probe_interval
         if drafted:
             self.priors.setdefault(row.method, AcceptancePrior()).observe(drafted, accepted)
 

@@ -38,13 +38,15 @@ class RowController:
     probe_intervals: list[int] = field(default_factory=list)  # each wait before a probe, in order
     last_k: int = 0
     prior: list[float] | None = None  # the method's acceptance so far across requests
+    first_probe_interval: int | None = None  # the method's probe backoff so far, if any
 
     def __post_init__(self):
         # Start from what this method achieved for earlier requests: no exploration from scratch.
         prior = list(self.prior or [])[:self.k_max]
         self.alphas = prior + [prior[-1] if prior else ALPHA_PRIOR] * (self.k_max - len(prior))
         self.prior = None
-        self.probe_interval = self.probe_min_steps
+        self.probe_interval = min(max(self.first_probe_interval or 0, self.probe_min_steps),
+                                  self.probe_max_steps)
 
     @property
     def state(self) -> str:
