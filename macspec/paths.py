@@ -11,29 +11,26 @@ from pathlib import Path
 from .config import HOME_ENV
 
 
-def state_dir() -> Path:
+def _user_dir(kind: str) -> Path:
+    """$MACSPEC_HOME/<kind>, else the platform's user <kind> dir (created)."""
     home = os.environ.get(HOME_ENV)
     if home:
-        path = Path(home) / "state"
+        path = Path(home) / kind
     else:
         import platformdirs
 
-        path = Path(platformdirs.user_state_dir("macspec"))
+        path = Path(getattr(platformdirs, f"user_{kind}_dir")("macspec"))
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def state_dir() -> Path:
+    return _user_dir("state")
 
 
 def cache_dir() -> Path:
     """Rebuildable files (built:NAME model dirs): safe to delete, rebuilt on next use."""
-    home = os.environ.get(HOME_ENV)
-    if home:
-        path = Path(home) / "cache"
-    else:
-        import platformdirs
-
-        path = Path(platformdirs.user_cache_dir("macspec"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return _user_dir("cache")
 
 
 def fresh_subdir(parent: Path, prefix: str, keep: int) -> Path:

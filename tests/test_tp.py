@@ -131,7 +131,7 @@ def _assert_clean_exit(server: TPServer, children: list[psutil.Process]) -> None
     assert "tensor parallelism failed" in server.log.read_text()
 
 
-@pytest.mark.parametrize("profile", ["tiny-mtp-tp2"])
+@pytest.mark.parametrize("profile", ["tiny-mtp-tp2", "kimi-tp2-mini"])
 def test_killed_worker_fails_the_stream_fast(tmp_path, profile):
     server = TPServer(profile, tmp_path / "home")
     children = psutil.Process(server.proc.pid).children(recursive=True)
