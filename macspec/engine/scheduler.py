@@ -42,11 +42,10 @@ class Scheduler:
                 return
             seq = self.waiting.popleft()
             self.memory.reserved += seq.kv_reserved
-            reused, entry = self.prefix_cache.lookup(seq.prompt)
-            if seq.proposer is not None and seq.proposer.needs_hidden:
-                # An MTP head needs the target's states for the whole prompt, and the prefix
-                # cache keeps only the target's KV: reusing it would cut the head's context.
-                reused, entry = 0, None
+            # An MTP head needs the target's states for the whole prompt, and the prefix cache
+            # keeps only the target's KV: reusing it would cut the head's context.
+            needs_states = seq.proposer is not None and seq.proposer.needs_hidden
+            reused, entry = (0, None) if needs_states else self.prefix_cache.lookup(seq.prompt)
             self.runner.open_slot(seq.request.id, NO_ENTRY if entry is None else entry, reused)
             seq.prefill_done = seq.reused_prefix = reused
             self.prefilling.append(seq)
