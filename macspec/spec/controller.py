@@ -112,13 +112,11 @@ def expected_tokens(alphas: list[float], k: int) -> float:
     return total
 
 
-def observe_acceptance(alphas: list[float], k: int, accepted: int, weight: float = ALPHA_WEIGHT) -> None:
+def observe_acceptance(alphas: list[float], k: int, accepted: int) -> None:
     """EWMA of the acceptance at each draft position reached in a step of k drafts."""
-    if len(alphas) < k:
-        alphas.extend([alphas[-1] if alphas else ALPHA_PRIOR] * (k - len(alphas)))
     for i in range(min(accepted + 1, k)):
         hit = 1.0 if i < accepted else 0.0
-        alphas[i] += weight * (hit - alphas[i])
+        alphas[i] += ALPHA_WEIGHT * (hit - alphas[i])
     # Positions beyond the deepest one observed so far are assumed no better than it.
     for i in range(k, len(alphas)):
         if k > 0:

@@ -66,7 +66,7 @@ class MTPGroup(ChainGroup):
             hidden = prompt_hidden[:-1].astype(self._dtype)
             followers = mx.array(committed[hidden_start + 1:hidden_start + count])
         else:  # nothing to feed yet: one scratch position gives the cache its shapes
-            hidden = mx.zeros((1, self._dtype_width), dtype=self._dtype)
+            hidden = mx.zeros((1, self._width), dtype=self._dtype)
             followers = mx.array([0])
         self.head(followers[None], hidden[None], self.view, cache[0])
         eval_cache(cache)
@@ -81,7 +81,7 @@ class MTPGroup(ChainGroup):
         return self.head.hnorm.weight.dtype
 
     @property
-    def _dtype_width(self) -> int:
+    def _width(self) -> int:  # the hidden size the head reads
         return self.head.hnorm.weight.shape[0]
 
     def _forget(self, key: int) -> None:
@@ -102,7 +102,7 @@ class MTPGroup(ChainGroup):
             state = self.rows[row.key]
             start = state.next_position
             followers.append(row.committed[start + 1:start + 1 + count])
-            block = state.take() if count else mx.zeros((0, self._dtype_width), dtype=self._dtype)
+            block = state.take() if count else mx.zeros((0, self._width), dtype=self._dtype)
             hidden_rows.append(mx.pad(block.astype(self._dtype), [(0, width - count), (0, 0)]))
         self.kv.begin(width)
         logits, out = self.head(pad_rows(followers, width), mx.stack(hidden_rows), self.view,
