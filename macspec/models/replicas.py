@@ -125,51 +125,16 @@ KIMI = {  # moonshotai/Kimi-K2.5 (multimodal wrapper; the vision tower is not re
     "use_unified_vision_chunk": True,
 }
 
-MOONLIGHT = {  # moonshotai/Moonlight-16B-A3B-Instruct, scaled down onto the Kimi replica's dims
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "model_type": "deepseek_v3",
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "aux_loss_alpha": 0.001,
-    "bos_token_id": 1,
-    "eos_token_id": EOS_IDS,
-    "ep_size": 1,
-    "first_k_dense_replace": 1,
-    "hidden_act": "silu",
-    "hidden_size": 128,  # 2048
-    "initializer_range": 0.02,
-    "intermediate_size": 256,  # 11264
-    "kv_lora_rank": 64,  # 512
+# moonshotai/Moonlight-16B-A3B-Instruct: the same DeepSeek-V3 keys as Kimi's text_config. Scaled
+# down onto the Kimi replica's dims (its draft is the replica's first layers); the real one has
+# hidden 2048, intermediate 11264, kv_lora_rank 512, 64 routed + 2 shared experts (top 6),
+# 27 layers, 16 heads, qk_nope/qk_rope/v head dims 128/64/128, routed_scaling_factor 2.446.
+MOONLIGHT = {
+    **KIMI_TEXT,
     "max_position_embeddings": 8192,
-    "moe_intermediate_size": 128,  # 1408
-    "moe_layer_freq": 1,
-    "n_group": 1,
-    "n_routed_experts": 16,  # 64
-    "n_shared_experts": 1,  # 2
-    "norm_topk_prob": True,
-    "num_attention_heads": 4,  # 16
-    "num_experts_per_tok": 4,  # 6
-    "num_hidden_layers": 2,  # 27
-    "num_key_value_heads": 4,  # 16
-    "num_nextn_predict_layers": 0,
-    "pad_token_id": 3,
-    "pretraining_tp": 1,
-    "q_lora_rank": None,
-    "qk_nope_head_dim": 64,  # 128
-    "qk_rope_head_dim": 32,  # 64
-    "rms_norm_eps": 1e-05,
+    "num_hidden_layers": 2,
+    "q_lora_rank": None,  # Moonlight projects queries directly
     "rope_scaling": None,
-    "rope_theta": 50000.0,
-    "routed_scaling_factor": 2.827,  # 2.446: the draft keeps its target's expert scale
-    "scoring_func": "sigmoid",
-    "seq_aux": True,
-    "tie_word_embeddings": False,
-    "topk_group": 1,
-    "topk_method": "noaux_tc",
-    "torch_dtype": "float32",  # bfloat16: what is not quantized is stored in float32 here
-    "use_cache": True,
-    "v_head_dim": 64,  # 128
-    "vocab_size": VOCAB_SIZE,  # 163840
 }
 
 GLM5 = {  # zai-org/GLM-5, scaled down
