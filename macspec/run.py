@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import click
 
-from .blas import blas_info
+from .blas import BlasInfo, blas_info
 from .config import Profile
 from .engine.launch import build_engine
 from .sampling import SamplingParams
@@ -65,12 +65,15 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     return list(tokenizer.encode(prompt, add_special_tokens=False)) or list(tokenizer.encode(prompt))
 
 
-def stats_line(stats: dict, blas: str) -> str:
-    k = f"k<={stats['k_max']} (mean {stats['spec']['mean_k']:.2f})" if stats["method"] != "none" else "k=0"
-    return (f"prompt {stats['prompt_tokens']} tok | TTFT {stats['ttft_s'] * 1e3:.1f} ms | "
-            f"decode {stats['decode_tokens_per_s']:.1f} tok/s ({stats['generated_tokens']} tok) | "
-            f"method {stats['method']} {k} | acceptance {stats['acceptance_rate']:.2f} | "
-            f"{stats['tokens_per_forward']:.2f} tok/forward | BLAS {blas}")
+def stats_line(stats: dict, blas: BlasInfo) -> str:
+    head = (f"prompt {stats['prompt_tokens']} tok | TTFT {stats['ttft_s'] * 1e3:.1f} ms | "
+            f"decode {stats['decode_tokens_per_s']:.1f} tok/s ({stats['generated_tokens']} tok) | ")
+    blas_text = f"BLAS {blas.name}" + (f" {blas.core}" if blas.core else "")
+    if stats["method"] == "none":  # plain decoding: no acceptance to speak of
+        return head + f"method none | {blas_text}"
+    return head + (f"method {stats['method']} k<={stats['k_max']} (mean {stats['spec']['mean_k']:.2f}) | "
+                   f"acceptance {stats['acceptance_rate']:.2f} | "
+                   f"{stats['tokens_per_forward']:.2f} tok/forward | {blas_text}")
 
 
 def run_once(profile: Profile, prompt: str, opts: RunOptions) -> dict:
@@ -118,5 +121,5 @@ def _stream(profile: Profile, runtime, prompt: str, opts: RunOptions, steps) -> 
     else:
         sys.stdout.write(tail + "\n")
         sys.stdout.flush()
-        click.echo(stats_line(stats, blas_info().name), err=True)
+        click.echo(stats_line(stats, blas_info()), err=True)
     return result

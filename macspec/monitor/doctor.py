@@ -104,10 +104,25 @@ class Doctor:
             self.add("MLX backend", FAIL, "CPU only: Metal is unavailable",
                      "install the macOS arm64 wheel: pip install --force-reinstall mlx")
         else:
-            blas = blas_info()
-            ok = blas.name == "openblas"
-            self.add("MLX backend", OK if ok else WARN, f"cpu, BLAS {blas.name}",
-                     None if ok else "pip install cmeel-openblas (float32 matmuls 40-80x faster)")
+            self.add("MLX backend", OK, "cpu")
+            self.blas(blas_info())
+
+    def blas(self, blas) -> None:
+        """The CPU BLAS as loaded and as checked: library, version, kernels, the probe's verdict."""
+        from ..blas import cpu_model
+
+        if blas.name == "openblas":
+            self.add("BLAS", OK, f"{blas.config} ({blas.core} kernels for {cpu_model()}), "
+                                 f"{blas.threads} thread(s), probe passed; {blas.library}")
+        elif blas.verdict:  # the probe refused it: say why and how to override
+            self.add("BLAS", WARN, f"reference (slow): {blas.detail}",
+                     "OPENBLAS_CORETYPE=Haswell (or another core) forces other kernels; "
+                     "MACSPEC_BLAS=/path/to/libopenblas.so uses another build; "
+                     "MACSPEC_BLAS=reference accepts the slow one")
+        else:
+            self.add("BLAS", WARN, f"{blas.name}: {blas.detail}",
+                     None if "disabled" in blas.detail else
+                     "pip install scipy-openblas32 (float32 matmuls 40-80x faster)")
 
     def machine(self) -> None:
         import psutil
