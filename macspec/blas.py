@@ -13,6 +13,7 @@ core), so later starts only read a file.
 
 MACSPEC_BLAS=reference opts out; MACSPEC_BLAS=/path/to/libopenblas.so uses another OpenBLAS
 (standard symbol names), checked the same way. OPENBLAS_NUM_THREADS is the user's thread count.
+MACSPEC_BLAS_CACHE moves the cache (default: the user cache dir's `blas/`).
 """
 
 from __future__ import annotations
@@ -64,9 +65,10 @@ _INFO: BlasInfo | None = None
 
 # ---- where things are -------------------------------------------------------------------
 def cache_dir() -> Path:
-    home = os.environ.get("MACSPEC_HOME")
-    if home:
-        return Path(home) / "cache" / "blas"
+    """Content-addressed (library digest, CPU), so one per user serves every MACSPEC_HOME."""
+    chosen = os.environ.get("MACSPEC_BLAS_CACHE")
+    if chosen:
+        return Path(chosen)
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("macspec")) / "blas"
@@ -245,6 +247,9 @@ def _load_openblas() -> BlasInfo:
             origin, verdict.get("cpu", cpu_model()), verdict.get("reason"), _verdict_file(digest))
         return BlasInfo("reference", f"{origin} refused: {verdict.get('reason')}",
                         library=str(loadable), verdict=f"failed: {verdict.get('reason')}")
+    # Idle OpenBLAS workers spin ~0.1 s before sleeping, stealing the core from the server's
+    # other threads and from other processes; 2^4 cycles makes them sleep at once (read at load).
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
     try:
         handle = ctypes.CDLL(str(loadable), mode=ctypes.RTLD_GLOBAL)
     except OSError as err:

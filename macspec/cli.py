@@ -45,6 +45,18 @@ class MacspecGroup(click.Group):
         except MacspecError as err:
             raise click.ClickException(str(err)) from None
 
+    def format_commands(self, ctx, formatter):
+        """Each command's whole first sentence, wrapped (click cuts it at the terminal's width)."""
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                text = command.short_help or (command.help or "").split("\n\n", 1)[0]
+                rows.append((name, " ".join(text.split())))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
 
 @click.group(cls=MacspecGroup)
 @click.version_option(__version__, prog_name="macspec")
@@ -74,11 +86,12 @@ def run(prompt, profile, as_json, log_level, **flags):
 
     setup_logging(log_level)
     progress.show_on_terminal(not as_json)
+    chosen = load_profile(profile)  # a bad profile is reported before MLX takes seconds to load
     with progress.phase("starting MLX"):
         from .run import RunOptions, run_once
     if prompt == "-":
         prompt = sys.stdin.read()
-    run_once(load_profile(profile), prompt, RunOptions(as_json=as_json, **flags))
+    run_once(chosen, prompt, RunOptions(as_json=as_json, **flags))
 
 
 API_KEY_ENV = "MACSPEC_API_KEY"
@@ -449,7 +462,7 @@ def profiles_show(name, as_json):
             click.echo(f"  {key} = {json.dumps(value)}  # {origin}")
 
 
-@main.command()
+@main.command(short_help="Train or build models: the embedded family, tiny-wide, the seed replicas, SmolLM2's MTP head.")
 @click.argument("what", default="family")
 @click.option("--out", type=click.Path(file_okay=False),
               help="Output directory (family: required; tiny-wide and the replicas: default the "
@@ -465,7 +478,7 @@ def forge(what, out, recipe, reuse_target, log_level):
     embedded target widened to ~206M parameters with the same logits (tiny-wide-N: hidden N),
     or WHAT = kimi-k25-mini, moonlight-mini, glm5-mini: miniature replicas of the seed models
     (their architectures, config keys and quantization; a few MB, seconds), or WHAT =
-    smollm2-mtp: SmolLM2's MTP head, trained on its own answers (~40 min; default --out: the
+    smollm2-mtp: SmolLM2's MTP head, trained on its own answers (~30 min; default --out: the
     shipped head, which `pulled:smollm2` then attaches)."""
     from pathlib import Path
 

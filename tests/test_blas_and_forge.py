@@ -20,22 +20,84 @@ from .conftest import generate
 pytestmark = pytest.mark.slow  # loads a model or starts a server/process
 
 PROBE = "import macspec, json; from macspec.blas import blas_info; print(json.dumps(blas_info().as_dict()))"
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="OpenBLAS preloading is Linux-only")
 
 
-def blas_in_subprocess(**env) -> dict:
-    out = subprocess.run([sys.executable, "-c", PROBE], env={**os.environ, **env},
-                         capture_output=True, text=True, check=True).stdout
-    return json.loads(out)
+def blas_in_subprocess(**env) -> tuple[dict, str]:
+    done = subprocess.run([sys.executable, "-c", PROBE], env={**os.environ, **env},
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout), done.stderr
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="OpenBLAS preloading is Linux-only")
-def test_openblas_is_loaded_automatically_on_linux():
-    assert blas_in_subprocess()["name"] == "openblas"
+@linux_only
+def test_a_run_time_dispatched_openblas_is_loaded_and_checked():
+    info, _ = blas_in_subprocess()
+    assert info["name"] == "openblas" and info["verdict"] == "passed"
+    assert "DYNAMIC_ARCH" in info["config"] and info["core"]  # kernels chosen for this CPU
+    assert info["threads"] >= 1
+
+
+@linux_only
+def test_forced_avx2_kernels_pass_the_check():
+    # What an AVX-512 machine runs to show the AVX2 path: the kernel forced, checked apart.
+    info, _ = blas_in_subprocess(OPENBLAS_CORETYPE="Haswell")
+    assert (info["name"], info["core"], info["verdict"]) == ("openblas", "Haswell", "passed")
 
 
 def test_blas_opt_out():
-    info = blas_in_subprocess(MACSPEC_BLAS="reference")
+    info, _ = blas_in_subprocess(MACSPEC_BLAS="reference")
     assert info["name"] in ("reference", "accelerate")
+
+
+@linux_only
+@pytest.mark.parametrize("fault, why", [("SIGILL", "died with SIGILL"), ("wrong", "is wrong")])
+def test_a_library_that_fails_its_check_falls_back_once_with_a_warning(tmp_path, fault, why):
+    cache = {"MACSPEC_BLAS_CACHE": str(tmp_path / "blas")}
+    info, stderr = blas_in_subprocess(MACSPEC_BLAS_PROBE_FAULT=fault, **cache)
+    assert info["name"] == "reference" and why in info["verdict"]
+    assert stderr.count("failed its check") == 1 and "MACSPEC_BLAS=reference" in stderr
+    # The verdict is cached: the next start neither probes (a healthy probe would pass) nor
+    # loads the library, and still warns.
+    info, stderr = blas_in_subprocess(**cache)
+    assert info["name"] == "reference" and "failed its check" in stderr
+
+
+@linux_only
+def test_the_verdict_is_cached_per_library_and_cpu(tmp_path):
+    cache = {"MACSPEC_BLAS_CACHE": str(tmp_path / "blas")}
+    assert blas_in_subprocess(**cache)[0]["verdict"] == "passed"
+    # A later start reads the verdict: the armed fault would fail a probe, so none ran.
+    assert blas_in_subprocess(MACSPEC_BLAS_PROBE_FAULT="SIGILL", **cache)[0]["verdict"] == "passed"
+    assert len(list((tmp_path / "blas").glob("*/verdict-*.json"))) == 1
+
+
+@linux_only
+def test_the_private_copy_is_keyed_by_the_library_content(tmp_path, monkeypatch):
+    from macspec import blas
+
+    monkeypatch.setenv("MACSPEC_BLAS_CACHE", str(tmp_path / "cache"))
+    library = tmp_path / "libscipy_openblas.so"
+    library.write_bytes(blas._bundled_library().read_bytes())
+    first = blas._renamed_copy(library, blas._digest(library))
+    with open(library, "ab") as f:  # another build at the same path (pip install X==other)
+        f.write(b"another build")
+    second = blas._renamed_copy(library, blas._digest(library))
+    assert first != second and first.exists() and second.exists()
+    assert "cblas_sgemm" in blas.dynamic_symbols(second) and "sgetrf_" in blas.dynamic_symbols(second)
+
+
+@linux_only
+def test_greedy_text_is_the_same_after_the_fallback(tmp_path):
+    run = [sys.executable, "-m", "macspec", "run", "def fibonacci(n):", "--max-tokens", "24", "--json"]
+    env = {**os.environ, "MACSPEC_BLAS_CACHE": str(tmp_path / "blas"), "HF_HUB_OFFLINE": "1"}
+    fast = subprocess.run(run, env=env, capture_output=True, text=True, check=True)
+    env["MACSPEC_BLAS_CACHE"] = str(tmp_path / "blas-refused")
+    slow = subprocess.run(run, env={**env, "MACSPEC_BLAS_PROBE_FAULT": "SIGILL"},
+                          capture_output=True, text=True, check=True)
+    fast_out, slow_out = json.loads(fast.stdout), json.loads(slow.stdout)
+    assert fast_out["blas"]["name"] == "openblas" and slow_out["blas"]["name"] == "reference"
+    assert "failed its check" in slow.stderr
+    assert slow_out["token_ids"] == fast_out["token_ids"]
 
 
 def test_forge_smoke_writes_loadable_family(tmp_path, monkeypatch):

@@ -59,6 +59,15 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
+def _address_of(host: str, par: ParallelConfig) -> str:
+    try:
+        return socket.gethostbyname(host)
+    except OSError as err:  # gaierror: the name does not resolve from here
+        raise BootstrapError(f"parallel.hosts: {host!r} does not resolve from this machine ({err}); "
+                             f"hosts = {par.hosts}. Use a name or address every rank can reach, "
+                             "or 127.0.0.1 for ranks on this machine") from None
+
+
 def group_spec(par: ParallelConfig) -> dict:
     """The JSON-able description every rank joins from (hostfile / RDMA devices)."""
     world = par.tensor_parallel
@@ -67,7 +76,7 @@ def group_spec(par: ParallelConfig) -> dict:
         if all(is_local(h) for h in hosts):
             addresses = [f"127.0.0.1:{p}" for p in _free_ports(world)]
         else:
-            addresses = [f"{socket.gethostbyname(h)}:{par.port + r}" for r, h in enumerate(hosts)]
+            addresses = [f"{_address_of(h, par)}:{par.port + r}" for r, h in enumerate(hosts)]
         return {"backend": "ring", "world": world, "hostfile": [[a] for a in addresses]}
     if par.backend == "jaccl":
         if not par.ibv_devices or not par.coordinator:
@@ -89,14 +98,14 @@ def check_backend_here(par: ParallelConfig) -> None:
 def share_cores(spec: dict, rank: int) -> None:
     """Ranks on one machine split its cores (OpenBLAS threads spin; oversubscribed, a TP2
     forward on 2 cores ran 4x slower)."""
-    from ..blas import set_threads
+    from ..blas import default_threads, set_threads
 
     if spec["backend"] != "ring":
         return
     hosts = [entry[0].rsplit(":", 1)[0] for entry in spec["hostfile"]]
     mine = hosts.count(hosts[rank])
     if mine > 1:
-        set_threads((os.cpu_count() or 1) // mine)
+        set_threads(default_threads(ranks_here=mine))
 
 
 def join_group(spec: dict, rank: int):

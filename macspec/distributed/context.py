@@ -9,12 +9,35 @@ import mlx.core as mx
 
 from ..config import Profile
 from ..progress import phase
-from .bootstrap import Peers, check_backend_here, group_spec, join_with_peers
+from .bootstrap import BootstrapError, Peers, check_backend_here, group_spec, join_with_peers
 from .channel import PlanChannel
 from .handshake import PeerLeftError, handshake, identity
 from .plan import encode_op
 
 logger = logging.getLogger(__name__)
+
+
+def preflight(profile: Profile) -> None:
+    """What rank 0 can tell before starting any peer, all of it at once: models that are not on
+    this machine (each rank would download them) and a backend this OS cannot run."""
+    from ..models.loader import find_local_model
+
+    wanted = {"target": profile.model.path}
+    if profile.speculative.method == "draft" and profile.speculative.draft_model:
+        wanted["draft"] = profile.speculative.draft_model
+    problems = [f"the {role} model {ref!r} is not on this machine (on every host: hf download {ref})"
+                for role, ref in wanted.items() if _fetched_by_hand(ref) and find_local_model(ref) is None]
+    try:
+        check_backend_here(profile.parallel)
+    except BootstrapError as err:
+        problems.append(str(err))
+    if problems:
+        raise BootstrapError(f"profile {profile.source}: " + "; ".join(problems))
+
+
+def _fetched_by_hand(ref: str) -> bool:
+    """built:, pulled:, embedded: and .gguf models are made on first use; the rest are not."""
+    return not ref.startswith(("built:", "pulled:", "embedded:")) and not ref.endswith(".gguf")
 
 
 @dataclass
@@ -27,8 +50,11 @@ class TPContext:
 
     @classmethod
     def open(cls, profile: Profile) -> "TPContext":
-        check_backend_here(profile.parallel)
-        spec = group_spec(profile.parallel)
+        preflight(profile)
+        try:
+            spec = group_spec(profile.parallel)
+        except BootstrapError as err:
+            raise BootstrapError(f"profile {profile.source}: {err}") from None
         peers = Peers.launch(profile, spec)
         try:
             with phase(f"forming the tensor-parallel group ({spec['world']} ranks, {spec['backend']})"):
