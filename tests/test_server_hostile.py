@@ -134,3 +134,10 @@ def test_streamed_text_equals_decode_of_all_tokens(server):
                     pieces.append(json.loads(line[6:])["choices"][0]["text"])
         whole = post(server, "/v1/completions", {**body, "stream": False}).json()["choices"][0]["text"]
         assert "".join(pieces) == whole
+
+
+def test_a_header_over_the_limit_is_a_431_in_json_and_the_server_keeps_serving(server):
+    resp = requests.get(server.url + "/health", headers={"X-Big": "a" * 100_000}, timeout=30)
+    assert resp.status_code == 431
+    assert resp.json()["error"]["type"] == "request_header_fields_too_large"
+    assert requests.get(server.url + "/health", timeout=30).status_code == 200

@@ -12,6 +12,8 @@ import time
 import uuid
 
 from aiohttp import hdrs, web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.web_protocol import RequestHandler
 
 from .. import __version__
 from ..config import Profile
@@ -351,6 +353,25 @@ class _Counted(asyncio.Protocol):
         self.inner.connection_lost(exc)
 
 
+class _ParseErrorsAsJson(RequestHandler):
+    """aiohttp answers an unparsable request (a header over its 8 KB line limit, say) with
+    text/plain 400 and logs a traceback; answer with the API's JSON error shape and one line."""
+
+    def handle_error(self, request, status=500, exc=None, message=None):
+        if not isinstance(exc, HttpProcessingError) or request.writer.output_size > 0:
+            return super().handle_error(request, status, exc, message)
+        if isinstance(exc, LineTooLong):
+            status, kind = 431, "request_header_fields_too_large"
+            text = "the request line or a header is longer than the server accepts (8190 bytes)"
+        else:
+            status, kind = 400, "invalid_request_error"
+            text = "the request could not be parsed: " + " ".join(str(exc.message).split())[:160]
+        logger.warning("request from %s answered %d: %s", request.remote, status, text)
+        response = web.json_response(error_body(status, text, kind, None, anthropic=False), status=status)
+        response.force_close()
+        return response
+
+
 class ConnectionTable:
     """The listening socket's protocol factory. Up to `cap` connections get aiohttp's handler;
     past it the oldest idle one (no request in progress: keep-alive, or headers still
@@ -377,7 +398,7 @@ class ConnectionTable:
             victim.inner.force_close()
             self.evicted += 1
             self._warning("closing idle connections to make room")
-        counted = _Counted(self, self.server())
+        counted = _Counted(self, _ParseErrorsAsJson(self.server, loop=self.server._loop, **self.server._kwargs))
         self.open[counted] = None
         return counted
 
