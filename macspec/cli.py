@@ -398,12 +398,24 @@ def bench(profile, url, api_key, scenarios, sequential, concurrent, max_tokens, 
         for scenario in run["scenarios"]:
             m = scenario["summary"]
             click.echo(f"{run['label']:>24} | {scenario['name']:<14} | {m['ok']}/{m['requests']} ok | "
-                       f"decode {m['decode_tok_s_mean']} tok/s | TTFT p50 {m['ttft_p50_ms']} ms")
+                       f"decode {m['decode_tok_s_mean'] or '-'} tok/s | TTFT p50 {m['ttft_p50_ms'] or '-'} ms")
     click.echo("wrote " + ", ".join(str(p) for p in paths))
     if report["totals"]["failed"] or report["errors"]:
-        click.echo(f"{report['totals']['failed']} request(s) failed; see the report's Errors section",
-                   err=True)
+        click.echo(f"{report['totals']['failed']} request(s) failed; the first error: "
+                   f"{first_error(report)} (all of them in the report's Errors section)", err=True)
         sys.exit(1)
+
+
+def first_error(report: dict) -> str:
+    """A server that did not start explains every failed request after it: that one first."""
+    if report["errors"]:
+        return report["errors"][0]
+    for run in report["runs"]:
+        for scenario in run["scenarios"]:
+            for request in scenario.get("requests", []):
+                if request.get("error"):
+                    return request["error"]
+    return "unknown"
 
 
 @main.command("tp-worker", hidden=True)

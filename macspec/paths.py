@@ -1,5 +1,5 @@
 """Where macspec keeps its state and caches: $MACSPEC_HOME/{state,cache}, else the platform's
-user state and cache dirs."""
+user state and cache dirs; $MACSPEC_CACHE moves the cache alone."""
 
 from __future__ import annotations
 
@@ -28,8 +28,15 @@ def state_dir() -> Path:
     return _user_dir("state")
 
 
+CACHE_ENV = "MACSPEC_CACHE"  # the cache alone elsewhere (`macspec bench` shares the user's)
+
+
 def cache_dir() -> Path:
     """Rebuildable files (built:NAME model dirs): safe to delete, rebuilt on next use."""
+    chosen = os.environ.get(CACHE_ENV)
+    if chosen:
+        Path(chosen).mkdir(parents=True, exist_ok=True)
+        return Path(chosen)
     return _user_dir("cache")
 
 

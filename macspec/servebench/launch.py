@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..childproc import macspec_argv
 from ..errors import MacspecError
+from ..paths import cache_dir
 from ..server.daemon import tail
 
 
@@ -36,9 +37,11 @@ class LaunchedServer:
     def macspec(cls, profile_file: str, work: Path, api_key: str | None = None) -> "LaunchedServer":
         port = free_port()
         argv = macspec_argv("serve", "--profile", profile_file, "--port", str(port), "--log-level", "info")
-        # Its own state dir, so the user's `macspec status` record is left alone.
-        # No key: unset (`macspec serve` refuses an empty MACSPEC_API_KEY).
-        env = {"MACSPEC_HOME": str(work / "home"), "MACSPEC_API_KEY": api_key or None}
+        # Its own state dir, so the user's `macspec status` record is left alone, but the user's
+        # cache (built and pulled models are not made again). No key: unset (`macspec serve`
+        # refuses an empty MACSPEC_API_KEY).
+        env = {"MACSPEC_HOME": str(work / "home"), "MACSPEC_CACHE": str(cache_dir()),
+               "MACSPEC_API_KEY": api_key or None}
         return cls("macspec serve", argv, port, work / "macspec-serve.log", env)
 
     @classmethod
@@ -83,8 +86,14 @@ def float32_copy(src: Path, dst: Path) -> Path:
     must run the same arithmetic as macspec (which computes in float32 there)."""
     import mlx.core as mx
 
+    from ..models.loader import safetensors_header
+
     if dst.exists():
         return dst
+    weights_files = list(src.glob("*.safetensors"))
+    if all(info["dtype"] == "F32" for f in weights_files
+           for name, info in safetensors_header(f).items() if name != "__metadata__"):
+        return src  # float32 already (pulled:smollm2, built:tiny-wide): nothing to convert
     dst.mkdir(parents=True)
     for f in src.iterdir():
         if f.suffix == ".safetensors":
