@@ -21,7 +21,7 @@ from ..kv.prefix import PrefixCache
 from ..monitor.memory import MB, KVBudget, kv_bytes_per_token, usage
 from ..runner import TargetRunner
 from ..grammar import GrammarError
-from ..sampling import Rng, RowContext, SamplingParams
+from ..sampling import Rng, RowContext, SamplingParams, sample_plain_rows
 from ..spec.base import ChainGroup, ChainRow, Drafts, ProposerGroup
 from ..spec.controller import AcceptancePrior, RowController
 from ..spec.planner import BatchPlanner
@@ -325,6 +325,7 @@ class Engine:
         else:
             verdicts = mx.zeros((len(rows), 2), dtype=mx.int32)
         reports: dict[int, mx.array] = {}
+        special = self._sample_plain_rows(rows, ks, logits, verdicts, special, masks)
         if special:
             rows_out = []
             for i in special:
@@ -336,6 +337,23 @@ class Engine:
                     reports[i] = report
             verdicts[mx.array(special)] = mx.stack(rows_out)
         return verdicts, reports
+
+    @staticmethod
+    def _sample_plain_rows(rows: list[Sequence], ks: list[int], logits: mx.array, verdicts: mx.array,
+                           special: list[int], masks: dict) -> list[int]:
+        """Rows that sample with nothing but temperature and filters and draft nothing this step
+        are drawn together, per shared params (sampling.sample_plain_rows); -> the rest."""
+        groups: dict[SamplingParams, list[int]] = {}
+        for i in special:
+            seq = rows[i]
+            if (not ks[i] and not seq.params.is_greedy and not seq.params.has_processing
+                    and i not in masks and seq.request.logprobs is None):
+                groups.setdefault(seq.params.without_seed(), []).append(i)
+        for params, members in groups.items():
+            tokens = sample_plain_rows(logits[mx.array(members), 0], params, [rows[i].rng.next() for i in members])
+            verdicts[mx.array(members)] = mx.stack([mx.zeros_like(tokens), tokens], axis=1)
+        grouped = {i for members in groups.values() for i in members}
+        return [i for i in special if i not in grouped]
 
     @staticmethod
     def _row_verdict(seq: Sequence, logits: mx.array, proposed: mx.array, q,

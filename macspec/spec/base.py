@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..kv.batched import BatchKV
-from ..sampling import Rng, RowContext, SamplingParams, processed_logits, processed_logprobs
+from ..sampling import (Rng, RowContext, SamplingParams, fast_exp, processed_logits, processed_logprobs,
+                        sample_from_probs)
 
 
 @dataclass
@@ -156,9 +157,9 @@ class ChainGroup(ProposerGroup):
             if row.params.is_greedy:
                 picks[i] = mx.argmax(processed_logits(logits[i:i + 1], row.context, drafted, first=j)[0])
             else:
-                logq = processed_logprobs(logits[i:i + 1], row.context, drafted, first=j)[0]
-                picks[i] = mx.random.categorical(logq, key=row.rng.next())
-                q_rows[i].append(mx.exp(logq))
+                q = fast_exp(processed_logprobs(logits[i:i + 1], row.context, drafted, first=j)[0])
+                picks[i] = sample_from_probs(q, row.rng.next())
+                q_rows[i].append(q)
         return mx.stack(picks).astype(argmax.dtype)
 
     def cache_arrays(self) -> list:

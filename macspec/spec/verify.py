@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..sampling import Rng, RowContext, processed_logits, processed_logprobs
+from ..sampling import Rng, RowContext, fast_exp, processed_logits, processed_logprobs, sample, sample_from_probs
 
 
 def accepted_prefix(accept: mx.array, limit: mx.array | None = None) -> mx.array:
@@ -43,10 +43,10 @@ def verify_sampling(logits: mx.array, drafts: mx.array, q: mx.array | None,
     -> (verdict [2], the target's processed log-probabilities [k+1, V]), lazy."""
     k = drafts.shape[0]
     logp = processed_logprobs(logits, ctx, drafts)
-    bonus = mx.random.categorical(logp[k], key=rng.next())
+    bonus = sample(logp[k], rng.next())
     if k == 0:
         return mx.stack([mx.array(0), bonus]).astype(mx.int32), logp
-    p = mx.exp(logp[:k])
+    p = fast_exp(logp[:k])
     d = drafts.astype(mx.int32)[:, None]
     p_d = mx.take_along_axis(p, d, axis=-1)[:, 0]
     if q is None:  # one-hot proposal: accept with p(d); residual is p without d
@@ -59,7 +59,7 @@ def verify_sampling(logits: mx.array, drafts: mx.array, q: mx.array | None,
     accept = mx.random.uniform(shape=(k,), key=rng.next()) * q_d < p_d
     # A zero residual only arises where p <= q everywhere, i.e. the draft is always accepted.
     residual = mx.where(residual.sum(-1, keepdims=True) > 0, residual, p)
-    corrections = mx.random.categorical(mx.log(residual), key=rng.next())
+    corrections = sample_from_probs(residual, rng.next())
     n = accepted_prefix(accept)
     token = mx.where(n < k, corrections[mx.minimum(n, k - 1)], bonus)
     return mx.stack([n, token]).astype(mx.int32), logp
