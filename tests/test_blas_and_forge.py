@@ -111,3 +111,23 @@ def test_forge_smoke_writes_loadable_family(tmp_path, monkeypatch):
         runtime = Runtime.load(load_profile(profile_name))
         tokens, gen = generate(runtime, [5, 6, 7], 6, SamplingParams(), k=2)
         assert gen.stats["spec"]["drafted"] > 0
+
+
+@linux_only
+def test_threads_give_way_to_another_busy_process():
+    from macspec import blas
+
+    if blas.blas_info().name != "openblas" or blas.default_threads() < 2 or blas._user_threads():
+        pytest.skip("needs OpenBLAS on 2+ physical cores and no OPENBLAS_NUM_THREADS")
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        import time
+
+        blas._GOVERNOR.tick()
+        deadline = time.monotonic() + 10
+        while blas.blas_info().threads >= blas.default_threads() and time.monotonic() < deadline:
+            time.sleep(blas.ThreadGovernor.PERIOD_S)
+            blas._GOVERNOR.tick()
+        assert blas.blas_info().threads < blas.default_threads()  # a core left to the other process
+    finally:
+        burner.kill()

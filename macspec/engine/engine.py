@@ -21,6 +21,7 @@ from ..kv.prefix import PrefixCache
 from ..monitor.memory import MB, KVBudget, kv_bytes_per_token, usage
 from ..runner import TargetRunner
 from ..grammar import GrammarError
+from ..blas import govern_threads
 from ..sampling import Rng, RowContext, SamplingParams, sample_plain_rows
 from ..spec.base import ChainGroup, ChainRow, Drafts, ProposerGroup
 from ..spec.controller import AcceptancePrior, RowController
@@ -169,6 +170,7 @@ class Engine:
     def step(self) -> None:
         """Admit, prefill one chunk, decode one batched step. A failed prefill fails only its
         request; any other failure propagates (the caller fails what is running)."""
+        govern_threads()
         self.scheduler.admit()
         self._publish_counts()
         chunk = self.scheduler.next_prefill()
