@@ -88,13 +88,16 @@ def test_glm_mtp_acceptance_and_lossless(glm, temperature):
 
 def test_glm_mtp_after_a_prefix_cache_hit_keeps_its_acceptance(glm):
     """The head needs the target's states for the whole prompt; a prefix-cache hit must not
-    cut its context (acceptance fell from 0.26 to 0.01 when it did)."""
+    cut its context (acceptance fell from 0.26 to 0.01 when it did). The entry carries the
+    states, so the repeated prompt is not prefilled again (TTFT was 321 ms against 140 without
+    the head on SmolLM2, when MTP rows skipped the prefix cache)."""
     engine = engine_for(glm)
     prompt = heldout_prompts(glm.tokenizer, 1)[0]
     first = engine.generate([prompt], GREEDY, 32, method="mtp", num_draft=3, adaptive=False)[0]
     again = engine.generate([prompt], GREEDY, 32, method="mtp", num_draft=3, adaptive=False)[0]
+    assert again.stats["cached_prompt_tokens"] == len(prompt) - 1
     assert again.tokens == first.tokens
-    assert again.stats["acceptance_rate"] == pytest.approx(first.stats["acceptance_rate"])
+    assert again.stats["acceptance_rate"] == pytest.approx(first.stats["acceptance_rate"], abs=0.02)
 
 
 @pytest.mark.parametrize("runtime_name", ["kimi", "glm"])

@@ -214,10 +214,13 @@ class Engine:
         seq.decode_started = time.perf_counter()
         self._commit(seq, [first], _logprob_entries(report, 1, seq.request.logprobs))
         self.totals["generated_tokens"] += min(1, seq.stats.generated_tokens)
+        hidden_rows, hidden_start = None, seq.reused_prefix
+        if seq.hidden_chunks:  # the reused prefix's states (from its cache entry) come first
+            hidden_rows, hidden_start = mx.concatenate(seq.states + seq.hidden_chunks), 0
+            seq.states = [hidden_rows]
         if not seq.finished and seq.proposer is not None:
-            hidden_rows = mx.concatenate(seq.hidden_chunks) if seq.hidden_chunks else None
             self._guard(seq, "proposer_start", seq.proposer.join, seq.request.id, seq.committed,
-                        hidden_rows, hidden_start=seq.reused_prefix)
+                        hidden_rows, hidden_start=hidden_start)
         seq.hidden_chunks = []
         self.scheduler.prefilled(seq)
         if seq.finished:
@@ -414,6 +417,9 @@ class Engine:
         seq.stats.spec.observe_step(drafted, accepted, emitted)
         self._spec_totals(seq.method).observe_step(drafted, accepted, emitted)
         if seq.proposer is not None and seq.proposer.needs_hidden:
+            seq.states.append(hidden)
+            if len(seq.states) > 16:  # each is a view holding its whole step's [B, W, H] alive
+                seq.states = [mx.concatenate(seq.states)]
             self._guard(seq, "proposer_observe", seq.proposer.observe, seq.request.id, hidden)
         self._guard(None, "controller", self._observe_controller, seq.row, drafted, accepted)
 

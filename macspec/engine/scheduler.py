@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import deque
 
+import mlx.core as mx
+
 from ..kv.prefix import PrefixCache
 from ..monitor.memory import KVBudget
 from ..runner import NO_ENTRY
@@ -24,6 +26,7 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
+        self.prefix_states: dict[int, mx.array] = {}  # entry -> the target's states it starts with
         self.waiting: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -42,10 +45,21 @@ class Scheduler:
                 return
             seq = self.waiting.popleft()
             self.memory.reserved += seq.kv_reserved
-            reused, entry = (0, None) if _needs_states(seq) else self.prefix_cache.lookup(seq.prompt)
+            reused, entry = self._lookup(seq)
             self.runner.open_slot(seq.request.id, NO_ENTRY if entry is None else entry, reused)
             seq.prefill_done = seq.reused_prefix = reused
             self.prefilling.append(seq)
+
+    def _lookup(self, seq: Sequence) -> tuple[int, int | None]:
+        """The longest cached prefix `seq` can use: a row whose head reads the target's states
+        (MTP) only as far as its entry kept them, and it starts from them."""
+        if not _needs_states(seq):
+            return self.prefix_cache.lookup(seq.prompt)
+        kept = lambda entry: len(self.prefix_states[entry]) if entry in self.prefix_states else 0  # noqa: E731
+        reused, entry = self.prefix_cache.lookup(seq.prompt, usable=kept)
+        if entry is not None:
+            seq.states = [self.prefix_states[entry][:reused]]
+        return reused, entry
 
     def _memory_for(self, seq: Sequence) -> bool:
         """Room for `seq`'s KV? Under pressure, finished requests' prefixes go first, then MLX's
@@ -58,7 +72,7 @@ class Scheduler:
                     seq.waited_for_memory = True
                     self.memory.waits += 1
                 return False
-            self.runner.drop_prefixes([entry])
+            self._drop_prefixes([entry])
         return True
 
     def next_prefill(self) -> tuple[Sequence, list[int]] | None:
@@ -76,7 +90,7 @@ class Scheduler:
         slot, length = seq.request.id, len(seq.prompt)
         self._share_with_siblings(seq)
         if seq.finished:
-            entry = self._store_prefix(seq.prompt, self.runner.slot_nbytes(slot, length))
+            entry = self._store_prefix(seq.prompt, self.runner.slot_nbytes(slot, length), _states(seq, length))
             self.runner.close_slot(slot, entry, length)
             return
         self.runner.slot_to_row(slot, length)
@@ -104,7 +118,8 @@ class Scheduler:
         entry, length = NO_ENTRY, 0
         if keep_prefix:  # finished normally: its KV may serve a later prompt's prefix
             length = self.runner.kv.lengths[index]
-            entry = self._store_prefix(seq.committed[:length], self.runner.row_nbytes(length))
+            entry = self._store_prefix(seq.committed[:length], self.runner.row_nbytes(length),
+                                       _states(seq, length))
         self.runner.remove_row(index, entry, length)
         return seq
 
@@ -138,17 +153,32 @@ class Scheduler:
         self.runner.reset()
         return seqs
 
-    def _store_prefix(self, tokens: list[int], nbytes: int) -> int:
-        """Admit `tokens` to the prefix index -> the entry id to store under (or NO_ENTRY)."""
+    def _store_prefix(self, tokens: list[int], nbytes: int, states: mx.array | None = None) -> int:
+        """Admit `tokens` (and the target's states for them, if kept) to the prefix index -> the
+        entry id to store under (or NO_ENTRY)."""
         if not self.prefix_cache.max_bytes:
             return NO_ENTRY
-        entry, dropped = self.prefix_cache.store(tokens, nbytes)
+        entry, dropped = self.prefix_cache.store(tokens, nbytes + (states.nbytes if states is not None else 0))
         if dropped:
-            self.runner.drop_prefixes(dropped)
+            self._drop_prefixes(dropped)
+        if entry is not None and states is not None:
+            self.prefix_states[entry] = states
         return NO_ENTRY if entry is None else entry
+
+    def _drop_prefixes(self, entries: list[int]) -> None:
+        for entry in entries:
+            self.prefix_states.pop(entry, None)
+        self.runner.drop_prefixes(entries)
 
 
 def _needs_states(seq: Sequence) -> bool:
-    """An MTP head needs the target's states for the whole prompt, and the prefix cache keeps
-    only the target's KV: reusing it would cut the head's context."""
+    """An MTP head needs the target's states for its whole context, beside the target's KV."""
     return seq.proposer is not None and seq.proposer.needs_hidden
+
+
+def _states(seq: Sequence, length: int) -> mx.array | None:
+    """The target's states for `seq`'s first `length` positions, when it kept them all."""
+    if not _needs_states(seq) or not seq.states:
+        return None
+    states = mx.concatenate(seq.states) if len(seq.states) > 1 else seq.states[0]
+    return states[:length] if states.shape[0] >= length else None

@@ -73,6 +73,9 @@ class Sequence:
     prefill_done: int = 0  # prompt tokens already in prefill_cache (prefix reuse included)
     reused_prefix: int = 0
     hidden_chunks: list[mx.array] = field(default_factory=list)
+    # The target's states for the cached positions of rows whose proposer reads them (MTP): a
+    # stored prefix carries them, so a later request's head starts from them, not from scratch.
+    states: list[mx.array] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     decode_started: float = 0.0
     kv_reserved: int = 0  # bytes of KV budget held from admission to close

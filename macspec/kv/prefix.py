@@ -25,12 +25,15 @@ class PrefixCache:
         self.misses = 0
         self.reused_tokens = 0
 
-    def lookup(self, prompt: list[int]) -> tuple[int, int | None]:
+    def lookup(self, prompt: list[int], usable=None) -> tuple[int, int | None]:
         """(m, entry id) of the longest stored prefix of `prompt`; m <= len(prompt) - 1 so the
-        last prompt token is always computed (its logits start the generation)."""
+        last prompt token is always computed (its logits start the generation). `usable(entry)`
+        caps how many of an entry's tokens the caller can take (default: all)."""
         best_len, best_key = 0, None
         for key in self.entries:
             n = min(first_divergence(key, prompt), len(prompt) - 1)
+            if usable is not None:
+                n = min(n, usable(self.entries[key][0]))
             if n > best_len:
                 best_len, best_key = n, key
         if best_key is None or best_len < MIN_REUSE:
