@@ -142,9 +142,13 @@ def mean_row(rows: list[dict]) -> dict:
     return row
 
 
-def Server(name: str, argv: list[str], port: int, log: Path) -> LaunchedServer:
-    """A server process with its own MACSPEC_HOME next to its log."""
-    return LaunchedServer(name, argv, port, log, {"MACSPEC_HOME": str(log.parent / "home")})
+def Server(name: str, argv: list[str], port: int, log: Path, threads: int | None) -> LaunchedServer:
+    """A server process with its own MACSPEC_HOME next to its log; `threads` pins OpenBLAS's
+    threads for both servers alike (else macspec's follow the machine's load, the peer's do not)."""
+    env = {"MACSPEC_HOME": str(log.parent / "home")}
+    if threads:
+        env["OPENBLAS_NUM_THREADS"] = str(threads)
+    return LaunchedServer(name, argv, port, log, env)
 
 
 def main() -> None:
@@ -160,6 +164,8 @@ def main() -> None:
     ap.add_argument("--draft", default="distilled", choices=("distilled", "random"))
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--repeats", type=int, default=2, help="alternating repeats per level (mean)")
+    ap.add_argument("--threads", type=int, help="OPENBLAS_NUM_THREADS for every server (a fair "
+                    "serving-overhead comparison on a machine with other load)")
     args = ap.parse_args()
     if args.quick:
         args.concurrency, args.max_tokens, args.rounds = "1,4", 32, 1
@@ -211,7 +217,8 @@ def main() -> None:
         if server:
             server.stop()
         port = free_port()
-        server = Server(label, argv + ["--port", str(port)], port, work / f"{label.replace(' ', '_')}.log")
+        server = Server(label, argv + ["--port", str(port)], port, work / f"{label.replace(' ', '_')}.log",
+                        args.threads)
         server.wait_ready(probe, timeout=300)
         for name, extra in variants:  # untimed: every batch shape and buffer size seen once
             asyncio.run(scenario(server.url, max(levels), 1, texts, extra, args.max_tokens, tokenizer,
