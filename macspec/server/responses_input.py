@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from ..errors import RequestError
-from .structured import MAX_TOOLS, OutputPlan, _plan_tools, _unique_names
+from .structured import MAX_TOOLS, OutputPlan, _extension, _plan_tools, _unique_names
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text", "refusal")
@@ -170,6 +170,7 @@ def plan_responses(body: dict) -> tuple[OutputPlan, dict[str, dict]]:
         plan.grammar = (GRAMMAR_SYNTAXES[fmt["syntax"]], fmt["definition"]) if fmt["type"] == "grammar" else None
     if not plan.forced_call:
         plan.grammar = _text_format(body.get("text"))
+    _extension(body, plan)  # vLLM's structured_outputs, as on the other APIs
     return plan, custom
 
 
