@@ -51,7 +51,8 @@ class ServerState:
         self.accept_any_model = profile.server.accept_any_model
         self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
         self._token_bytes: dict[int, bytes] = {}
-        self.turns = TurnMemory(self.tokenizer)  # earlier answers' ids, for the next turn's prompt
+        # Earlier answers' ids for the next turn's prompt (see server/turns.py).
+        self.turns = TurnMemory(self.tokenizer, profile.server.answer_ids_kept)
         self.stopping = False  # set at shutdown: /health answers 503 until the port closes
 
     def check_model(self, model) -> None:
