@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from ..errors import RequestError
-from .structured import MAX_TOOLS, OutputPlan, _extension, _plan_tools, _unique_names
+from .structured import MAX_TOOLS, OutputPlan, plan_tools, structured_extension, unique_names
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text", "refusal")
@@ -146,7 +146,7 @@ def response_tools(value) -> tuple[list[dict], dict[str, dict]]:
         if isinstance(tool.get("description"), str):
             entry["description"] = tool["description"]
         out.append({"type": "function", "function": entry})
-    _unique_names(out, "tools")
+    unique_names(out, "tools")
     return out, custom
 
 
@@ -164,13 +164,13 @@ def plan_responses(body: dict) -> tuple[OutputPlan, dict[str, dict]]:
     """-> (the output plan, the custom tools' formats)."""
     tools, custom = response_tools(body.get("tools"))
     choice = _tool_choice(body.get("tool_choice"))
-    plan = _plan_tools(tools, choice, "tool_choice")
+    plan = plan_tools(tools, choice, "tool_choice")
     if plan.tool_mode == "named" and plan.forced in custom:
         fmt = custom[plan.forced]  # the output is the raw input: its own grammar, or free text
         plan.grammar = (GRAMMAR_SYNTAXES[fmt["syntax"]], fmt["definition"]) if fmt["type"] == "grammar" else None
     if not plan.forced_call:
         plan.grammar = _text_format(body.get("text"))
-    _extension(body, plan)  # vLLM's structured_outputs, as on the other APIs
+    structured_extension(body, plan)  # vLLM's structured_outputs, as on the other APIs
     return plan, custom
 
 
