@@ -13,6 +13,8 @@ import pytest
 import requests
 from openai import OpenAI
 
+from macspec.engine import faults
+
 from .serverutil import RunningServer, runtime_with
 
 pytestmark = pytest.mark.slow  # starts a server
@@ -184,6 +186,16 @@ def test_bad_requests_are_400s_naming_the_problem(server, client, body, message)
     reply = requests.post(server.url + "/v1/responses", json={"model": "default", **body}, timeout=60)
     assert reply.status_code == 400, reply.text
     assert message in reply.json()["error"]["message"]
+    assert create(client, input="ok", max_output_tokens=2).status  # still serving
+
+
+def test_a_failed_step_ends_the_stream_with_response_failed(server, client):
+    faults.arm("decode", RuntimeError("injected decode failure"), times=1)
+    events = _sse(server.url + "/v1/responses", {"model": "default", "input": "def f(", "stream": True,
+                                                 "max_output_tokens": 20, "temperature": 0})
+    assert events[-1]["type"] == "response.failed", events[-1]
+    assert "injected decode failure" in events[-1]["response"]["error"]["message"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert create(client, input="ok", max_output_tokens=2).status  # still serving
 
 

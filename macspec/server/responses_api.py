@@ -15,8 +15,9 @@ from collections import OrderedDict
 
 from aiohttp import web
 
-from ..errors import NotFoundError, RequestError
+from ..errors import MacspecError, NotFoundError, RequestError
 from .choices import start_jobs
+from .jobs import ClientGone
 from .output import ChatOutput
 from .responses_input import input_messages, normalise_input, plan_responses, thinking_args
 from .responses_output import ItemBuilder, new_id, output_items_as_input
@@ -148,9 +149,17 @@ async def _stream(request, state: ServerState, group, shell: dict, output: ChatO
     async def events():
         yield event("response.created", {"response": shell})
         yield event("response.in_progress", {"response": shell})
-        async for piece in job.deltas():
-            for kind, fields in builder.feed(output.feed(piece)):
-                yield event(kind, fields)
+        try:
+            async for piece in job.deltas():
+                for kind, fields in builder.feed(output.feed(piece)):
+                    yield event(kind, fields)
+        except ClientGone:
+            raise
+        except MacspecError as err:  # agents read the failure from the typed stream
+            failed = {**shell, "status": "failed", "output": builder.items,
+                      "error": {"code": err.error_type, "message": str(err)}}
+            yield event("response.failed", {"response": failed})
+            return
         for kind, fields in builder.feed(output.finish()) + builder.finish():
             yield event(kind, fields)
         final = _finish(shell, job, builder, prompt_tokens)
