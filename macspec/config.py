@@ -183,6 +183,13 @@ class ServerConfig:
     reasoning_parser: str = spec("auto", _choice(("auto", "think", "none")), "<think>…</think> "
                                  "as reasoning_content / thinking blocks; auto = when the chat "
                                  "template uses <think>")
+    responses_store: int = spec(256, _range(0, 100000, integer=True), "stored /v1/responses "
+                                "(for GET and previous_response_id), oldest dropped first; 0 = "
+                                "none stored")
+    answer_ids_kept: int = spec(256, _range(0, 100000, integer=True), "recent answers whose "
+                                "generated token ids replace their re-encoded text when a later "
+                                "prompt re-sends them (multi-turn prefix-cache reuse); 0 = "
+                                "prompts always tokenized from text")
 
 
 SECTIONS: dict[str, type] = {

@@ -2,7 +2,8 @@
 
 This is the index only (tokens -> entry id, sizes, LRU order); the KV itself lives in each
 rank's TargetRunner under the entry id, so under tensor parallelism rank 0 decides what is kept
-and evicted and every rank stores and drops the same entries.
+and evicted and every rank stores and drops the same entries. Lookups walk a radix tree: agent
+prompts are 10-50k tokens and a scan over every entry would cost entries x tokens.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 
-from .cache import first_divergence
+from .radix import RadixTree
 
 MIN_REUSE = 4  # shorter shared prefixes are not worth a copy
 
@@ -19,6 +20,7 @@ class PrefixCache:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.entries: OrderedDict[tuple[int, ...], tuple[int, int]] = OrderedDict()  # -> (id, bytes)
+        self.tree = RadixTree()
         self._ids = itertools.count()
         self.nbytes = 0
         self.hits = 0
@@ -28,14 +30,11 @@ class PrefixCache:
     def lookup(self, prompt: list[int], usable=None) -> tuple[int, int | None]:
         """(m, entry id) of the longest stored prefix of `prompt`; m <= len(prompt) - 1 so the
         last prompt token is always computed (its logits start the generation). `usable(entry)`
-        caps how many of an entry's tokens the caller can take (default: all)."""
-        best_len, best_key = 0, None
-        for key in self.entries:
-            n = min(first_divergence(key, prompt), len(prompt) - 1)
-            if usable is not None:
-                n = min(n, usable(self.entries[key][0]))
-            if n > best_len:
-                best_len, best_key = n, key
+        caps how many of the matched entry's tokens the caller can take (default: all)."""
+        best_len, best_key = self.tree.longest_match(prompt)
+        best_len = min(best_len, len(prompt) - 1)
+        if usable is not None and best_key is not None:
+            best_len = min(best_len, usable(self.entries[best_key][0]))
         if best_key is None or best_len < MIN_REUSE:
             self.misses += 1
             return 0, None
@@ -49,9 +48,10 @@ class PrefixCache:
         key = tuple(tokens)
         if len(key) < MIN_REUSE or nbytes > self.max_bytes or key in self.entries:
             return None, []
-        dropped = [self._drop(old) for old in [k for k in self.entries if key[:len(k)] == k]]
+        dropped = [self._drop(old) for old in self.tree.keys_on_path(key)]  # the new one covers them
         entry = next(self._ids)
         self.entries[key] = (entry, nbytes)
+        self.tree.insert(key)
         self.nbytes += nbytes
         while self.nbytes > self.max_bytes:
             dropped.append(self._drop(next(iter(self.entries))))
@@ -63,6 +63,7 @@ class PrefixCache:
 
     def _drop(self, key) -> int:
         entry, nbytes = self.entries.pop(key)
+        self.tree.remove(key)
         self.nbytes -= nbytes
         return entry
 

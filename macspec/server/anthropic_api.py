@@ -157,7 +157,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
             "id": ident, "type": "message", "role": "assistant", "model": state.model_id,
             "content": content, "stop_reason": stop_reason(job.result, bool(got.calls)),
             "stop_sequence": job.result.stop_sequence,
-            "usage": {"input_tokens": len(prompt), "output_tokens": job.result.completion_tokens},
+            "usage": _usage(job, len(prompt)),
         })
     response = await state.open_sse(request)
 
@@ -178,7 +178,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         yield "message_delta", {"type": "message_delta",
                                 "delta": {"stop_reason": stop_reason(job.result, blocks.called),
                                           "stop_sequence": job.result.stop_sequence},
-                                "usage": {"output_tokens": job.result.completion_tokens}}
+                                "usage": _usage(job, len(prompt))}
         yield "message_stop", {"type": "message_stop"}
 
     def encode(item) -> str:
@@ -187,6 +187,13 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
     await state.stream_events(response, group, events(), encode, anthropic=True)
     return response
+
+
+def _usage(job, prompt_tokens: int) -> dict:
+    """Anthropic counts cache reads apart: input_tokens + cache_read_input_tokens = the prompt."""
+    cached = job.result.stats.get("cached_prompt_tokens", 0)
+    return {"input_tokens": prompt_tokens - cached, "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0, "output_tokens": job.result.completion_tokens}
 
 
 class _BlockStream:

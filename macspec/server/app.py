@@ -19,7 +19,7 @@ from .. import __version__
 from ..config import Profile
 from ..engine.service import EngineService
 from ..errors import MacspecError
-from . import anthropic_api, openai_api
+from . import anthropic_api, openai_api, responses_api
 from .metrics import metrics_text
 from .state import REQUEST_ID, STARTED, STATE, USAGE, ServerState, error_body
 
@@ -250,6 +250,7 @@ def create_app(engine: EngineService, profile: Profile, api_key: str | None = No
     app.router.add_get("/v1/models", openai_api.models)
     app.router.add_post("/v1/messages", anthropic_api.messages)
     app.router.add_post("/v1/messages/count_tokens", anthropic_api.count_tokens)
+    responses_api.add_routes(app, server.responses_store)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/metrics", metrics)

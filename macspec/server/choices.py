@@ -39,7 +39,8 @@ def choice_specs(spec: JobSpec, n: int, make_constraint) -> list[JobSpec]:
 
 async def start_jobs(state: ServerState, specs: list[JobSpec], is_disconnected) -> JobGroup:
     """Submit every choice; if one is refused, the others are cancelled and its error raised."""
-    jobs = [Job(state.engine, state.tokenizer, spec, is_disconnected) for spec in specs]
+    jobs = [Job(state.engine, state.tokenizer, spec, is_disconnected, state.turns.remember)
+            for spec in specs]
     group = JobGroup(jobs)
     try:
         state.engine.submit(*(job.request for job in jobs))

@@ -104,8 +104,10 @@ class TextAssembler:
 
 
 class Job:
-    def __init__(self, engine: EngineService, tokenizer, spec: JobSpec, is_disconnected):
+    def __init__(self, engine: EngineService, tokenizer, spec: JobSpec, is_disconnected,
+                 remember=None):
         self.engine = engine
+        self.remember = remember  # (answer text, its ids) when it ends whole: see server/turns.py
         self.spec = spec
         self.text = TextAssembler(tokenizer, spec.stop)
         self.result = JobResult()
@@ -161,6 +163,8 @@ class Job:
                                       acceptance=event.stats.get("acceptance_rate"))
                     self.result.finish_reason = event.reason
                     piece = self.text.flush()
+                    if self.remember is not None:
+                        self.remember(self.text.decoder.text, self.text.ids)
                     if piece:
                         yield piece
                 elif isinstance(event, Failed):

@@ -302,8 +302,10 @@ def finish_reason(result: JobResult, called: bool = False) -> str:
 
 def _usage(group, prompt_tokens: int) -> dict:
     completion = group.completion_tokens
+    cached = group.jobs[0].result.stats.get("cached_prompt_tokens", 0)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _gone(request: web.Request) -> bool:

@@ -18,6 +18,7 @@ from ..grammar import GrammarCompiler
 from .jobs import ClientGone, Job
 from .reasoning import opens_in_reasoning
 from .toolcalls import detect_format
+from .turns import TurnMemory
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ class ServerState:
         self.accept_any_model = profile.server.accept_any_model
         self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
         self._token_bytes: dict[int, bytes] = {}
+        # Earlier answers' ids for the next turn's prompt (see server/turns.py).
+        self.turns = TurnMemory(self.tokenizer, profile.server.answer_ids_kept)
         self.stopping = False  # set at shutdown: /health answers 503 until the port closes
 
     def check_model(self, model) -> None:
@@ -90,8 +93,7 @@ class ServerState:
             if tools:
                 text = f"tools: {json.dumps(tools)}\n" + text
             text += "assistant:"
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-        return ids, opens_in_reasoning(text)
+        return self.turns.encode(text), opens_in_reasoning(text)
 
     @functools.cached_property
     def grammar(self) -> GrammarCompiler:

@@ -53,7 +53,7 @@ def openai_tools(value, field_name: str = "tools") -> list[dict]:
         if isinstance(fn.get("description"), str):
             entry["description"] = fn["description"]
         out.append({"type": "function", "function": entry})
-    _unique_names(out, field_name)
+    unique_names(out, field_name)
     return out
 
 
@@ -77,11 +77,11 @@ def anthropic_tools(value) -> list[dict]:
         if isinstance(tool.get("description"), str):
             entry["description"] = tool["description"]
         out.append({"type": "function", "function": entry})
-    _unique_names(out, "tools")
+    unique_names(out, "tools")
     return out
 
 
-def _unique_names(tools: list[dict], field_name: str) -> None:
+def unique_names(tools: list[dict], field_name: str) -> None:
     names = [_name_of(t) for t in tools]
     if len(set(names)) != len(names):
         raise RequestError(f"'{field_name}' names a function twice", field_name)
@@ -100,11 +100,11 @@ def plan_openai(body: dict) -> OutputPlan:
             raise RequestError("'tool_choice' must be \"none\", \"auto\", \"required\" or "
                                "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
         choice = ("named", name)
-    plan = _plan_tools(tools, choice, "tool_choice")
+    plan = plan_tools(tools, choice, "tool_choice")
     fmt = body.get("response_format")
     if fmt is not None and not plan.forced_call:
         plan.grammar = _response_format(fmt)
-    _extension(body, plan)
+    structured_extension(body, plan)
     return plan
 
 
@@ -126,18 +126,18 @@ def plan_anthropic(body: dict) -> OutputPlan:
                                "tool_choice")
     elif choice is not None:
         raise RequestError("'tool_choice' must be an object {'type': ...}", "tool_choice")
-    plan = _plan_tools(tools, choice, "tool_choice")
+    plan = plan_tools(tools, choice, "tool_choice")
     fmt = body.get("output_format")  # Anthropic's structured outputs: {"type": "json_schema", "schema"}
     if fmt is not None:
         if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
             raise RequestError("'output_format' must be {'type': 'json_schema', 'schema': {...}}",
                                "output_format")
         plan.grammar = ("json_schema", fmt["schema"])
-    _extension(body, plan)
+    structured_extension(body, plan)
     return plan
 
 
-def _extension(body: dict, plan: OutputPlan) -> None:
+def structured_extension(body: dict, plan: OutputPlan) -> None:
     """vLLM's `structured_outputs`, on either API."""
     extension = body.get("structured_outputs")
     if extension is not None:
@@ -147,7 +147,7 @@ def _extension(body: dict, plan: OutputPlan) -> None:
         plan.grammar = _structured_outputs(extension)
 
 
-def _plan_tools(tools: list[dict], choice, field_name: str) -> OutputPlan:
+def plan_tools(tools: list[dict], choice, field_name: str) -> OutputPlan:
     if choice in (None, "auto"):
         return OutputPlan(tools, "auto" if tools else "none")
     if choice == "none":
