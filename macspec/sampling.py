@@ -154,10 +154,10 @@ def _filter(scaled: mx.array, params: SamplingParams) -> mx.array:
     return log_normalize(_filtered(scaled, params))
 
 
-def _filtered(scaled: mx.array, params: SamplingParams) -> mx.array:
+def _filtered(scaled: mx.array, params: SamplingParams, normalized: bool = False) -> mx.array:
     """The filters on logits [N, V], left unnormalized (filtered entries -inf). top-p's mass is
     of the distribution before top-k, as it always was here."""
-    logprobs = log_normalize(scaled) if params.top_p < 1.0 else scaled
+    logprobs = log_normalize(scaled) if params.top_p < 1.0 and not normalized else scaled
     if params.top_k and params.top_k < logprobs.shape[-1]:
         cut = logprobs.shape[-1] - params.top_k  # O(V) selection, not a sort
         kth = mx.partition(logprobs, cut, axis=-1)[:, cut:cut + 1]
@@ -175,8 +175,11 @@ def sample_plain_rows(logits: mx.array, params: SamplingParams, keys: list[mx.ar
     temperature and the filters (no penalties, bias or grammar): the same distribution as
     `processed_logprobs`, drawn from its unnormalized weights, one exp pass for the batch.
     Row r uses keys[r], the uniform a lone row would draw, so batching changes no draw."""
-    filtered = _filtered(logits.astype(mx.float32) / params.temperature, params)
-    weights = fast_exp(filtered - filtered.max(axis=-1, keepdims=True))
+    scaled = logits.astype(mx.float32) / params.temperature
+    top = scaled.max(axis=-1, keepdims=True)
+    weights = fast_exp(scaled - top)  # the one exp pass: normalizing and drawing both use it
+    logprobs = scaled - top - mx.log(weights.sum(axis=-1, keepdims=True))
+    weights = mx.where(_filtered(logprobs, params, normalized=True) > NEG_INF, weights, 0.0)
     return _inverse_cdf(weights, mx.concatenate([mx.random.uniform(shape=(1,), key=key) for key in keys])[:, None])
 
 
