@@ -13,7 +13,7 @@ import uuid
 from aiohttp import web
 
 from ..errors import RequestError
-from .choices import start_jobs
+from .choices import start_response
 from .output import ChatOutput, collect
 from .schema import build_job, get_bool, get_int, get_stop, parse_json_body
 from .state import STATE, USAGE, ServerState
@@ -135,12 +135,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
     prompt, in_reasoning = await _prompt(state, body, plan.tools)
     spec = build_job(body, prompt, max_tokens, get_stop(body, "stop_sequences"), state.profile,
                      temperature_max=1.0, vocab=state.runtime.vocab_size)
-    if plan.grammar is not None:
-        grammar = await state.off_loop(state.compile_grammar, *plan.grammar)
-        spec.constraint = state.grammar.constraint(grammar)
-    group = await start_jobs(state, [spec], lambda: request.transport is None or request.transport.is_closing())
+    group = await start_response(request, state, spec, plan.grammar)
     job = group.jobs[0]
-    request[USAGE] = job.usage
     output = ChatOutput(plan, state.tool_format, state.parses_reasoning, in_reasoning)
     ident = "msg_" + uuid.uuid4().hex[:24]
     if not stream:

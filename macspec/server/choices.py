@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 
 from .jobs import Job, JobSpec
-from .state import ServerState
+from .state import USAGE, ServerState
 
 
 class JobGroup:
@@ -84,3 +84,20 @@ async def interleave(streams):
     finally:
         for task in tasks:
             task.cancel()
+
+
+async def start_response(request, state: ServerState, spec: JobSpec, grammar_source, n: int = 1) -> JobGroup:
+    """What every API codec does with its one internal request: compile its grammar (one matcher
+    per choice), submit its n choices together, and count the response's usage on the first."""
+    make = None
+    if grammar_source is not None:
+        grammar = await state.off_loop(state.compile_grammar, *grammar_source)
+        make = lambda: state.grammar.constraint(grammar)  # noqa: E731 - one matcher per choice
+    group = await start_jobs(state, choice_specs(spec, n, make), lambda: client_gone(request))
+    request[USAGE] = group.jobs[0].usage
+    return group
+
+
+def client_gone(request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from aiohttp import web
 
 from ..errors import MacspecError, NotFoundError, RequestError
-from .choices import start_jobs
+from .choices import start_response
 from .jobs import ClientGone
 from .output import ChatOutput
 from .responses_input import input_messages, normalise_input, plan_responses, thinking_args
@@ -112,12 +112,8 @@ async def create(request: web.Request) -> web.StreamResponse:
         lambda: state.render_chat(_messages(body, items), plan.tools, **thinking_args(body)))
     spec = build_job(body, prompt, get_int(body, "max_output_tokens", None, lo=1), [], state.profile,
                      vocab=state.runtime.vocab_size)
-    if plan.grammar is not None:
-        grammar = await state.off_loop(state.compile_grammar, *plan.grammar)
-        spec.constraint = state.grammar.constraint(grammar)
-    group = await start_jobs(state, [spec], lambda: request.transport is None or request.transport.is_closing())
+    group = await start_response(request, state, spec, plan.grammar)
     job = group.jobs[0]
-    request[USAGE] = job.usage
     output = ChatOutput(plan, state.tool_format, state.parses_reasoning, in_reasoning)
     builder = ItemBuilder(custom, raw_custom=plan.tool_mode == "named" and plan.forced in custom)
     shell = _shell(body, state, new_id("resp"), "in_progress")
