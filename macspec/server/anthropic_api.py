@@ -16,7 +16,7 @@ from ..errors import RequestError
 from .choices import start_response
 from .output import ChatOutput, collect
 from .schema import build_job, get_bool, get_int, get_stop, parse_json_body
-from .state import STATE, USAGE, ServerState
+from .state import STATE, ServerState
 from .structured import plan_anthropic
 
 ROLES = ("user", "assistant")

@@ -22,7 +22,7 @@ from .output import ChatOutput
 from .responses_input import input_messages, normalise_input, plan_responses, thinking_args
 from .responses_output import ItemBuilder, new_id, output_items_as_input
 from .schema import build_job, get_bool, get_int, get_str, parse_json_body, reject_unsupported
-from .state import STATE, USAGE, ServerState
+from .state import STATE, ServerState
 
 UNSUPPORTED = {"background": False, "conversation": None, "prompt": None, "top_logprobs": 0}
 ECHOED = ("instructions", "metadata", "parallel_tool_calls", "temperature", "top_p",
