@@ -11,6 +11,8 @@ import click
 from . import __version__
 from .config import DEFAULT_PROFILE, SECTIONS, list_profiles, load_profile
 from .errors import MacspecError
+from . import proposers
+
 
 logger = logging.getLogger("macspec")
 
@@ -74,7 +76,7 @@ def main():
 @click.option("--min-p", type=click.FloatRange(0, 1), help="Drop tokens below min_p * p_max.")
 @click.option("--repetition-penalty", type=click.FloatRange(0, 10, min_open=True), help="1 = off.")
 @click.option("--seed", type=click.IntRange(min=0), help="Sampling seed.")
-@click.option("--method", type=click.Choice(["draft", "mtp", "ngram", "none"]), help="Proposer.")
+@click.option("--method", type=click.Choice(proposers.METHODS), help=f"Proposer ({proposers.summary()}).")
 @click.option("--num-draft", type=click.IntRange(1, 32), help="Max draft tokens per step (k).")
 @click.option("--adaptive/--fixed-k", default=None, help="Choose k from measurements, or always k.")
 @click.option("--chat/--raw", default=None, help="Apply the chat template (default: the profile's).")
@@ -106,7 +108,7 @@ API_KEY_ENV = "MACSPEC_API_KEY"
               "$MACSPEC_API_KEY (or the env var named by server.api_key_env): `ps` shows flags.")
 @click.option("--max-batch", type=click.IntRange(1, 256), help="Requests decoded together.")
 @click.option("--max-queue", type=click.IntRange(1), help="Waiting requests before 429.")
-@click.option("--method", type=click.Choice(["draft", "mtp", "ngram", "none"]), help="Default proposer.")
+@click.option("--method", type=click.Choice(proposers.METHODS), help=f"Default proposer ({proposers.summary()}).")
 @click.option("--num-draft", type=click.IntRange(1, 32), help="Default max draft tokens per step.")
 @click.option("--detach", is_flag=True, help="Run in the background; see `macspec status`, `macspec stop`.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
@@ -424,7 +426,7 @@ def first_error(report: dict) -> str:
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
 def tp_worker(profile, rank, log_level):
     """A tensor-parallel worker rank (started by rank 0, never by hand)."""
-    from .distributed.worker import worker_main
+    from .engine.worker import worker_main
 
     setup_logging(log_level, f"rank{rank}")
     worker_main(profile, rank)

@@ -19,13 +19,13 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from .errors import ProfileError
+from .proposers import BY_NAME as PROPOSERS, METHODS
 
 DEFAULT_PROFILE = "tiny"
 PROFILE_SUFFIX = ".toml"
 HOME_ENV = "MACSPEC_HOME"
 BUILTIN_PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
-METHODS = ("draft", "mtp", "ngram", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("none", "ring", "jaccl")
 
@@ -265,8 +265,10 @@ def _set_checked(table, name: str, value: Any, where: str, file: str) -> None:
 
 def _cross_check(profile: Profile, file: str) -> None:
     spec_cfg, par = profile.speculative, profile.parallel
-    if spec_cfg.method == "draft" and not spec_cfg.draft_model:
-        raise ProfileError(f"{file}: speculative.method = 'draft' needs speculative.draft_model")
+    proposer = PROPOSERS.get(spec_cfg.method)
+    if proposer and proposer.model_key and not getattr(spec_cfg, proposer.model_key):
+        raise ProfileError(f"{file}: speculative.method = {spec_cfg.method!r} needs "
+                           f"speculative.{proposer.model_key}")
     if spec_cfg.ngram_min > spec_cfg.ngram_max:
         raise ProfileError(f"{file}: speculative.ngram_min = {spec_cfg.ngram_min} exceeds "
                            f"speculative.ngram_max = {spec_cfg.ngram_max}")

@@ -228,19 +228,6 @@ def processed_logprobs(logits: mx.array, ctx: RowContext, drafts=(), first: int 
     return _filter(processed_logits(logits, ctx, drafts, first) / params.temperature, params)
 
 
-def reported_logprobs(logits: mx.array, ctx: RowContext, drafts=(), first: int = 0) -> mx.array:
-    """What `logprobs` reports: the distribution the token was drawn from (greedy: the
-    processed logits at temperature 1, since temperature 0 has no distribution)."""
-    if ctx.params.is_greedy:
-        processed = processed_logits(logits, ctx, drafts, first)
-        return log_normalize(processed)
-    return processed_logprobs(logits, ctx, drafts, first)
-
-
-def greedy_tokens(logits: mx.array, ctx: RowContext, drafts=(), first: int = 0) -> mx.array:
-    return mx.argmax(processed_logits(logits, ctx, drafts, first), axis=-1)
-
-
 class Rng:
     """Explicit PRNG key stream so a seeded request replays exactly."""
 

@@ -7,7 +7,8 @@ import macspec  # noqa: F401  (loads the fast BLAS before mlx)
 import pytest
 
 from macspec.config import load_profile
-from macspec.engine.engine import Completion, Engine
+from macspec.engine.blocking import Completion
+from macspec.engine.engine import Engine
 from macspec.engine.launch import calibrated_engine
 from macspec.engine.runtime import Runtime
 from macspec.sampling import SamplingParams

@@ -52,13 +52,13 @@ def test_a_batch_of_draft_rows_is_one_group_and_equals_each_row_alone(prompts):
 def test_one_host_sync_per_decode_step(prompts, method):
     runtime = tiny_runtime(method)
     engine = calibrated_engine(runtime, max_batch=4)
-    before_syncs, before_steps = engine.host_syncs, engine.totals["steps"]
+    before_syncs, before_steps = engine.stats.host_syncs, engine.stats.totals["steps"]
     params = [GREEDY, SamplingParams(temperature=0.7, seed=1), SamplingParams(repetition_penalty=1.2),
               GREEDY]
     out = engine.generate(prompts[:4], params, 32, num_draft=3, adaptive=False)
     assert all(c.error is None and len(c.tokens) == 32 for c in out)
-    steps = engine.totals["steps"] - before_steps
-    assert steps > 0 and engine.host_syncs - before_syncs == steps
+    steps = engine.stats.totals["steps"] - before_steps
+    assert steps > 0 and engine.stats.host_syncs - before_syncs == steps
     assert engine.status()["host_syncs_per_step"] == 1.0
 
 

@@ -111,7 +111,7 @@ def test_speculative_sampling_matches_target_distribution(tiny_vocab_dirs, metho
             drafted += done.stats["spec"]["drafted"]
             accepted += done.stats["spec"]["accepted"]
     if batch > 1:
-        assert max(engine.batch_histogram) >= batch - 1  # the requests really shared steps
+        assert max(engine.stats.batch_histogram) >= batch - 1  # the requests really shared steps
     assert drafted > NUM_SAMPLES // 2, "speculation must actually run"
     assert 0 < accepted < drafted, "a partial-acceptance regime exercises the rejection path"
     assert chi_square_p(counts.sum(2), joint.sum(2)) > MIN_P_VALUE  # (t1, t2)

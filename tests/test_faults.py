@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import requests
 
-from macspec.engine import faults
+from macspec import faults
 from macspec.engine.engine import Engine
 from macspec.engine.service import EngineService
 from macspec.engine.request import Failed, Finished, GenerationRequest

@@ -149,14 +149,14 @@ def test_mixed_batches_equal_plain(runtime_for, prompts):
                "stop_token_ids": [stop_ids(runtime, i) for i in range(n)]}
     hits_before = engine.scheduler.prefix_cache.as_dict()["hits"]
     for _ in range(2):
-        steps_before = dict(engine.batch_histogram)
+        steps_before = dict(engine.stats.batch_histogram)
         done = engine.generate(prompts, params, MAX_TOKENS, **options)
         for i, (completion, (expected, reason)) in enumerate(zip(done, reference)):
             assert completion.error is None, completion.error
             if greedy[i]:
                 assert completion.tokens == expected, f"row {i} ({options['method'][i]}) diverged"
                 assert completion.finish_reason == reason
-        batched = {b: c - steps_before.get(b, 0) for b, c in engine.batch_histogram.items()}
+        batched = {b: c - steps_before.get(b, 0) for b, c in engine.stats.batch_histogram.items()}
         assert max(b for b, c in batched.items() if c) == 8  # the batch was full at times
         assert sum(c.stats["spec"]["drafted"] for c in done) > 0
     assert engine.scheduler.prefix_cache.as_dict()["hits"] > hits_before

@@ -63,7 +63,7 @@ def test_budget_accounting():
 def test_admission_waits_for_memory_and_refuses_what_never_fits():
     runtime = runtime_with("tiny", kv__kv_budget_mb=2, kv__prefix_cache_mb=0)
     with RunningServer(runtime, max_batch=8) as server:
-        per_token = server.engine.engine.memory.bytes_per_token
+        per_token = server.engine.engine.scheduler.memory.bytes_per_token
         body = {"prompt": "def f(x):", "max_tokens": 150, "temperature": 0, "ignore_eos": True}
         with ThreadPoolExecutor(3) as pool:
             replies = list(pool.map(lambda _: requests.post(server.url + "/v1/completions", json=body,
@@ -83,7 +83,7 @@ def test_admission_waits_for_memory_and_refuses_what_never_fits():
         engine, runtime = server.engine.engine, server.runtime
         prompt = len(runtime.tokenizer.encode("x", add_special_tokens=False))
         k = runtime.profile.speculative.num_draft_tokens
-        need = (prompt + 1900 + k + 1) * engine._kv_per_token(runtime.method)  # full length, proposer too
+        need = (prompt + 1900 + k + 1) * runtime.kv_bytes_per_token(runtime.method)  # full length, proposer too
         assert need > 1902 * per_token
         assert f"needs {need / 2**20:.1f} MB of KV" in error["message"], error["message"]
         assert requests.get(server.url + "/health", timeout=5).json()["status"] == "ok"

@@ -13,7 +13,7 @@ import pytest
 import requests
 from openai import OpenAI
 
-from macspec.engine import faults
+from macspec import faults
 
 from .serverutil import RunningServer, runtime_with
 

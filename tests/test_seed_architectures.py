@@ -83,7 +83,7 @@ def test_glm_mtp_acceptance_and_lossless(glm, temperature):
     assert drafted > 0 and accepted / drafted > 0.3, (accepted, drafted)
     if temperature == 0:
         assert [c.tokens for c in done] == _plain(engine, prompts, 48)
-    assert engine.spec_faults.as_dict()["total"] == 0  # no silent fallback to plain decoding
+    assert engine.speculator.faults.as_dict()["total"] == 0  # no silent fallback to plain decoding
 
 
 def test_glm_mtp_after_a_prefix_cache_hit_keeps_its_acceptance(glm):

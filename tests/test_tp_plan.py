@@ -12,7 +12,7 @@ from macspec.config import load_profile
 from macspec.distributed.bootstrap import BootstrapError, group_spec, ssh_command
 from macspec.distributed.plan import (BY_NAME, OPS, PlanError, decode_header, decode_ops,
                                       encode_op, encode_plan)
-from macspec.runner import TargetRunner
+from macspec.engine.runner import TargetRunner
 
 
 def test_every_op_is_a_target_runner_method():

@@ -95,6 +95,12 @@ class MirroredRunner:
 
         return call
 
+    needs_host_tokens = True  # the peers get the window as ints in the plan
+
+    def forward(self, tokens, host_tokens: list[list[int]]):
+        rows, window = tokens.shape
+        return self.decode(rows, window, [t for row in host_tokens for t in row])
+
     def idle(self, heartbeat_s: float) -> None:
         """While nothing runs: flush what is pending and prove the peers alive."""
         if self.pending or time.monotonic() - self.channel.last_sent >= heartbeat_s:

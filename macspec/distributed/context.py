@@ -12,6 +12,7 @@ from ..progress import phase
 from .bootstrap import BootstrapError, Peers, check_backend_here, group_spec, join_with_peers
 from .channel import PlanChannel
 from .handshake import PeerLeftError, handshake, identity
+from ..proposers import own_model
 from .plan import encode_op
 
 logger = logging.getLogger(__name__)
@@ -23,8 +24,9 @@ def preflight(profile: Profile) -> None:
     from ..models.loader import find_local_model
 
     wanted = {"target": profile.model.path}
-    if profile.speculative.method == "draft" and profile.speculative.draft_model:
-        wanted["draft"] = profile.speculative.draft_model
+    proposer_model = own_model(profile.speculative.method, profile.speculative)
+    if proposer_model:
+        wanted["draft"] = proposer_model
     problems = [f"the {role} model {ref!r} is not on this machine (on every host: hf download {ref})"
                 for role, ref in wanted.items() if _fetched_by_hand(ref) and find_local_model(ref) is None]
     try:
@@ -76,6 +78,10 @@ class TPContext:
 
     def barrier(self) -> None:
         mx.eval(mx.distributed.all_sum(mx.array(1.0), group=self.group, stream=mx.cpu))
+
+    def status(self) -> dict:
+        return {"ranks": self.size, "plans": self.channel.sequence, "plan_collectives": self.channel.collectives,
+                "step_timeout_s": self.step_timeout_s, "worker_pids": self.peers.pids}
 
     def send_op(self, name: str, *args) -> None:
         """A plan of one op, outside the engine (start-up checks, shutdown)."""

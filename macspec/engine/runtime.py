@@ -6,21 +6,16 @@ import logging
 from dataclasses import dataclass, field
 
 from ..config import Profile
-from ..errors import IncompatibleDraftError, MacspecError, RequestError
-from ..models.compat import check_draft_compatible
-from ..models.loader import LoadedModel, load_model, load_mtp_head
+from ..errors import MacspecError, RequestError
+from ..models.loader import LoadedModel, load_model
 from ..models.mtp import MTPHead
 from ..models.view import ModelView
-from ..monitor.memory import apply_wired_limit
+from ..monitor.memory import apply_wired_limit, compute_dtype_bytes, kv_bytes_per_token
 from ..progress import phase
+from .. import proposers
 from ..spec.base import ProposerGroup
-from ..spec.draft import DraftGroup
-from ..spec.mtp import MTPGroup
-from ..spec.ngram import NgramGroup
 
 logger = logging.getLogger(__name__)
-
-METHODS = ("draft", "mtp", "ngram", "none")
 
 
 @dataclass
@@ -47,26 +42,25 @@ class Runtime:
 
     def make_group(self, method: str, vocab_size: int) -> ProposerGroup:
         """A fresh proposer for every row of `method` (the engine holds one per method)."""
-        spec = self.profile.speculative
-        if method == "draft":
-            return DraftGroup(self.draft.model, vocab_size, self.profile.kv.prefill_chunk)
-        if method == "mtp":
-            return MTPGroup(self.mtp_head, self.view, vocab_size)
-        if method == "ngram":
-            return NgramGroup(spec.ngram_max, spec.ngram_min)
-        raise ValueError(f"no proposer for method {method!r}")
+        return proposers.implementation(method).make_group(self, vocab_size)
+
+    def kv_bytes_per_token(self, method: str, tp: int = 1) -> int:
+        """KV bytes per token on one rank: the target's shard plus the proposer's own cache."""
+        target = kv_bytes_per_token(self.target.config, compute_dtype_bytes(self.target.model), tp=tp)
+        if method == proposers.PLAIN:
+            return target
+        return target + proposers.implementation(method).kv_bytes_per_token(self)
 
     def ensure_method(self, method: str) -> None:
         """Load what `method` needs when a request asks for one the profile did not load."""
-        if method not in METHODS:
-            raise RequestError(f"unknown speculative method {method!r}; one of {', '.join(METHODS)}")
+        if method not in proposers.METHODS:
+            raise RequestError(f"unknown speculative method {method!r}; one of {', '.join(proposers.METHODS)}")
         if method in self.unavailable:
             raise RequestError(self.unavailable[method])
+        if method == proposers.PLAIN:
+            return
         try:
-            if method == "draft" and self.draft is None:
-                self._attach_draft(fallback=False)
-            elif method == "mtp" and self.mtp_head is None:
-                self.mtp_head = load_mtp_head(self.target)
+            proposers.implementation(method).load(self, fallback=False)
         except MacspecError as err:
             self.unavailable[method] = f"speculative method {method!r} is unavailable: {err}"
             raise RequestError(self.unavailable[method]) from err
@@ -82,29 +76,8 @@ class Runtime:
             if tp is not None:  # the workers run this check with us, inside their plan loop
                 tp.send_op("check_hidden")
                 target.hidden_is_final = ModelView(target.model).hidden_is_final()
-        method = profile.speculative.method
-        runtime = cls(profile, target, method)
-        if method == "draft":
-            with phase(f"loading the draft {profile.speculative.draft_model}"):
-                runtime._attach_draft()
-        elif method == "mtp":
-            with phase("loading the MTP head"):
-                runtime.mtp_head = load_mtp_head(target)
+        runtime = cls(profile, target, profile.speculative.method)
+        if runtime.method != proposers.PLAIN:
+            proposers.implementation(runtime.method).load(runtime)
         logger.info("loaded %s (method %s)", target.path, runtime.method)
         return runtime
-
-    def _attach_draft(self, fallback: bool = True) -> None:
-        spec, m = self.profile.speculative, self.profile.model
-        if not spec.draft_model:
-            raise MacspecError("method 'draft' needs speculative.draft_model in the profile")
-        draft = load_model(spec.draft_model, m.dtype, None, m.trust_remote_code)
-        try:
-            check_draft_compatible(self.target.tokenizer, draft.tokenizer, m.path, spec.draft_model)
-        except IncompatibleDraftError as err:
-            if not (spec.allow_fallback and fallback):
-                raise
-            logger.warning("%s; falling back to n-gram proposals (allow_fallback = true)", err)
-            self.method = "ngram"
-            self.unavailable["draft"] = f"the draft was refused: {err}"
-            return
-        self.draft = draft

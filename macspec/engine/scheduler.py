@@ -12,9 +12,10 @@ from collections import deque
 
 import mlx.core as mx
 
+from ..errors import RequestError
 from ..kv.prefix import PrefixCache
-from ..monitor.memory import KVBudget
-from ..runner import NO_ENTRY
+from ..monitor.memory import MB, KVBudget
+from .runner import NO_ENTRY
 from .sequence import Sequence
 
 
@@ -36,6 +37,13 @@ class Scheduler:
         return bool(self.waiting or self.prefilling or self.running)
 
     def add(self, seq: Sequence) -> None:
+        """Queue `seq`; refused (RequestError) when its KV at full length exceeds the budget."""
+        if seq.kv_need > self.memory.budget:
+            req = seq.request
+            raise RequestError(
+                f"this request needs {seq.kv_need / MB:.1f} MB of KV at full length (prompt {len(req.prompt)} "
+                f"+ max_tokens {req.max_tokens} tokens) but the server's KV budget is "
+                f"{self.memory.budget / MB:.1f} MB ({self.memory.source}); lower max_tokens", "max_tokens")
         self.waiting.append(seq)
 
     def admit(self) -> None:
@@ -44,7 +52,8 @@ class Scheduler:
             if not self._memory_for(self.waiting[0]):
                 return
             seq = self.waiting.popleft()
-            self.memory.reserved += seq.kv_reserved
+            self.memory.reserved += seq.kv_need  # held until the sequence leaves (_release)
+            seq.kv_held = seq.kv_need
             reused, entry = self._lookup(seq)
             self.runner.open_slot(seq.request.id, NO_ENTRY if entry is None else entry, reused)
             seq.prefill_done = seq.reused_prefix = reused
@@ -64,7 +73,7 @@ class Scheduler:
     def _memory_for(self, seq: Sequence) -> bool:
         """Room for `seq`'s KV? Under pressure, finished requests' prefixes go first, then MLX's
         buffer cache; otherwise it waits (in order) for running requests to finish."""
-        while not self.memory.fits(seq.kv_reserved, self.prefix_cache.nbytes):
+        while not self.memory.fits(seq.kv_need, self.prefix_cache.nbytes):
             entry = self.prefix_cache.evict_oldest()
             if entry is None:
                 self.memory.relieve_pressure()
@@ -92,6 +101,7 @@ class Scheduler:
         if seq.finished:
             entry = self._store_prefix(seq.prompt, self.runner.slot_nbytes(slot, length), _states(seq, length))
             self.runner.close_slot(slot, entry, length)
+            self._release(seq)
             return
         self.runner.slot_to_row(slot, length)
         self.running.append(seq)
@@ -121,6 +131,7 @@ class Scheduler:
             entry = self._store_prefix(seq.committed[:length], self.runner.row_nbytes(length),
                                        _states(seq, length))
         self.runner.remove_row(index, entry, length)
+        self._release(seq)
         return seq
 
     def remove(self, request_id: int) -> list[Sequence]:
@@ -128,11 +139,11 @@ class Scheduler:
         removed = []
         for seq in [s for s in self.waiting if s.request.id == request_id]:
             self.waiting.remove(seq)
-            seq.kv_reserved = 0  # never admitted: it holds no budget
             removed.append(seq)
         for seq in [s for s in self.prefilling if s.request.id == request_id]:
             self.prefilling.remove(seq)
             self.runner.close_slot(request_id, NO_ENTRY, 0)
+            self._release(seq)
             removed.append(seq)
         for index in reversed([i for i, s in enumerate(self.running) if s.request.id == request_id]):
             removed.append(self.remove_row(index, keep_prefix=False))
@@ -142,6 +153,7 @@ class Scheduler:
         """A prefill failed: forget its slot; the batch rows are untouched."""
         if seq in self.prefilling:
             self.prefilling.remove(seq)
+        self._release(seq)
         self.runner.close_slot(seq.request.id, NO_ENTRY, 0)
 
     def clear_running(self) -> list[Sequence]:
@@ -149,9 +161,14 @@ class Scheduler:
         seqs = [*self.prefilling, *self.running]
         self.prefilling.clear()
         self.running.clear()
-        self.memory.reserved = 0
+        for seq in seqs:
+            self._release(seq)
         self.runner.reset()
         return seqs
+
+    def _release(self, seq: Sequence) -> None:
+        self.memory.reserved -= seq.kv_held
+        seq.kv_held = 0
 
     def _store_prefix(self, tokens: list[int], nbytes: int, states: mx.array | None = None) -> int:
         """Admit `tokens` (and the target's states for them, if kept) to the prefix index -> the

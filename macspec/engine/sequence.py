@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..errors import RequestError
 from ..sampling import Rng, RowContext
 from ..spec.base import ProposerGroup
 from ..spec.controller import RowController
+from ..spec.speculator import Speculator
 from ..spec.stats import SpecStats
 from .request import Event, Failed, Finished, GenerationRequest, Tokens, emit_safely
 
@@ -65,7 +67,7 @@ class Sequence:
     request: GenerationRequest
     method: str
     proposer: ProposerGroup | None  # its method's group, None = plain
-    row: RowController | None
+    controller: RowController
     stats: GenerationStats
     rng: Rng
     eos: set[int]
@@ -78,7 +80,8 @@ class Sequence:
     states: list[mx.array] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     decode_started: float = 0.0
-    kv_reserved: int = 0  # bytes of KV budget held from admission to close
+    kv_need: int = 0  # bytes of KV at full length (prompt + max_tokens + drafts)
+    kv_held: int = 0  # of the scheduler's KV budget, from admission to close
     waited_for_memory: bool = False
     closed: bool = False  # Finished or Failed was emitted; later events are dropped
 
@@ -98,6 +101,12 @@ class Sequence:
         """Most drafts this step may carry without passing max_tokens or the context."""
         left = self.request.max_tokens - self.stats.generated_tokens - 1
         return max(0, min(left, max_context - len(self.committed)))
+
+    def keep_states(self, hidden: mx.array) -> None:
+        """The target's states for the positions just committed (a proposer reads them)."""
+        self.states.append(hidden)
+        if len(self.states) > 16:  # each is a view holding its whole step's [B, W, H] alive
+            self.states = [mx.concatenate(self.states)]
 
     def emit(self, event: Event) -> None:
         if self.closed:
@@ -134,9 +143,35 @@ class Sequence:
     def summary(self) -> dict:
         out = self.stats.as_dict()
         out["cached_prompt_tokens"] = self.reused_prefix
-        if self.row is not None:
-            out["controller"] = {"state": self.row.state, "turned_off": self.row.num_turned_off,
-                                 "probes": self.row.num_probes,
-                                 "probe_intervals": list(self.row.probe_intervals),
-                                 "alphas": [round(a, 3) for a in self.row.alphas]}
+        c = self.controller
+        out["controller"] = {"state": c.state, "turned_off": c.num_turned_off, "probes": c.num_probes,
+                             "probe_intervals": list(c.probe_intervals),
+                             "alphas": [round(a, 3) for a in c.alphas]}
         return out
+
+
+def new_sequence(req: GenerationRequest, runtime, speculator: Speculator, max_context: int,
+                 tp_size: int = 1) -> Sequence:
+    """A request made ready to schedule: validated, its proposer and controller chosen, its KV
+    at full length sized. Raises RequestError (or a loading error) when it cannot run."""
+    if not req.prompt:
+        raise RequestError("the prompt is empty")
+    if len(req.prompt) + req.max_tokens > max_context:
+        raise RequestError(f"prompt ({len(req.prompt)} tokens) + max_tokens ({req.max_tokens}) "
+                           f"exceeds the context length {max_context}")
+    spec = runtime.profile.speculative
+    method = req.method or runtime.method
+    runtime.ensure_method(method)
+    proposer = speculator.group(method)
+    k_max = 0 if proposer is None else spec.num_draft_tokens if req.num_draft is None else req.num_draft
+    adaptive = spec.adaptive if req.adaptive is None else req.adaptive
+    if req.params.seed is not None and not req.params.is_greedy:
+        # The random stream is consumed per draft, so a replay needs the same k every step.
+        adaptive = False
+    eos = set(req.stop_token_ids)
+    if not req.ignore_eos:
+        eos |= set(runtime.tokenizer.eos_token_ids)
+    need = (len(req.prompt) + req.max_tokens + k_max + 1) * runtime.kv_bytes_per_token(method, tp_size)
+    return Sequence(req, method, proposer, speculator.controller(method, k_max, adaptive),
+                    GenerationStats(method, k_max), Rng(req.params.seed), eos,
+                    list(req.prompt), kv_need=need)

@@ -75,7 +75,7 @@ class EngineService:
         with self._lock:
             queued = len(self.engine.scheduler.waiting) + sum(1 for op, _ in self._inbox if op == "submit")
             if queued + len(requests) > self.max_queue:
-                self.engine.totals["rejected"] += len(requests)
+                self.engine.stats.count("rejected", len(requests))
                 raise QueueFullError(f"the queue is full ({self.max_queue} waiting); retry later")
             self._inbox.extend(("submit", request) for request in requests)
         self._wake.set()

@@ -18,6 +18,7 @@ from ..config import Profile
 from . import macos
 from .memory import GB_FIT_SLACK, MB, kv_bytes_per_token, weight_sizes
 from ..models.textconfig import language_config
+from ..proposers import own_model
 
 OK, WARN, FAIL, NA = "ok", "warn", "fail", "n/a"
 SYMBOLS = {OK: "✓", WARN: "⚠", FAIL: "✗", NA: "·"}
@@ -147,8 +148,8 @@ class Doctor:
 
         spec = self.profile.speculative
         wanted = {"target": self.profile.model.path}
-        if spec.method == "draft" and spec.draft_model:
-            wanted["draft"] = spec.draft_model
+        if own_model(spec.method, spec):
+            wanted["draft"] = own_model(spec.method, spec)
         for role, ref in wanted.items():
             self.model_dirs[role] = self._model_check(role, ref)
         if self.model_dirs.get("target") and self.model_dirs.get("draft"):

@@ -29,6 +29,12 @@ GB_FIT_SLACK = 1.15  # suggested wired limit = need x this (activations, buffer 
 HEADROOM = 0.10  # of the memory limit, kept free for activations, the buffer cache and the OS
 
 
+def compute_dtype_bytes(model) -> int:
+    """A loaded mlx-lm model's compute dtype size (its KV's): norms stay unquantized, unlike
+    embeddings."""
+    return model.model.norm.weight.dtype.size
+
+
 def kv_bytes_per_token(config: dict, dtype_bytes: int, tp: int = 1, layers: int | None = None) -> int:
     """Bytes one token's KV takes on one rank. MLA models (kv_lora_rank) cache the compressed
     latent plus the RoPE key, shared by every head, so TP does not split them; standard and

@@ -14,6 +14,7 @@ import click
 
 from ..config import load_profile
 from ..errors import MacspecError
+from ..proposers import own_model
 from . import report as reports
 from .launch import LaunchedServer, float32_copy
 from .prompts import load_prompts
@@ -96,7 +97,8 @@ def _mlx_lm_target(profile, work: Path, launched: list, errors: list[str]) -> Ta
         return float32_copy(path, work / f"{name}-float32") if mx.default_device() == mx.cpu else path
 
     spec = profile.speculative
-    draft = prepared(spec.draft_model, "draft") if spec.method == "draft" and spec.draft_model else None
+    proposer_model = own_model(spec.method, spec)
+    draft = prepared(proposer_model, "draft") if proposer_model else None
     server = LaunchedServer.mlx_lm(prepared(profile.model.path, "target"), work, draft)
     label = "mlx_lm.server" + (" + draft" if draft else "")
     return Target(label, _start(server, launched, errors).url)

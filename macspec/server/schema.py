@@ -7,7 +7,7 @@ import json
 import math
 from typing import Any
 
-from ..engine.runtime import METHODS
+from ..proposers import METHODS
 from ..sampling import SamplingParams
 from ..errors import RequestError
 from .jobs import JobSpec

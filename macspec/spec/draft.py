@@ -6,9 +6,49 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+import logging
+
+from ..errors import IncompatibleDraftError, MacspecError
 from ..kv.batched import BatchKV, layout_of
 from ..kv.cache import eval_cache, make_trimmable_cache
+from ..models.compat import check_draft_compatible
+from ..models.loader import load_model
+from ..monitor.memory import compute_dtype_bytes, kv_bytes_per_token as model_kv_bytes
+from ..progress import phase
 from .base import ChainGroup, ChainRow, pad_rows
+
+logger = logging.getLogger(__name__)
+
+
+def load(runtime, fallback: bool = True) -> None:
+    """The draft model, checked against the target's tokenizer. An incompatible one at start,
+    with speculative.allow_fallback, turns the profile's method to n-gram proposals instead."""
+    if runtime.draft is not None:
+        return
+    spec, m = runtime.profile.speculative, runtime.profile.model
+    if not spec.draft_model:
+        raise MacspecError("method 'draft' needs speculative.draft_model in the profile")
+    with phase(f"loading the draft {spec.draft_model}"):
+        draft = load_model(spec.draft_model, m.dtype, None, m.trust_remote_code)
+    try:
+        check_draft_compatible(runtime.target.tokenizer, draft.tokenizer, m.path, spec.draft_model)
+    except IncompatibleDraftError as err:
+        if not (spec.allow_fallback and fallback):
+            raise
+        logger.warning("%s; falling back to n-gram proposals (allow_fallback = true)", err)
+        runtime.method = "ngram"
+        runtime.unavailable["draft"] = f"the draft was refused: {err}"
+        return
+    runtime.draft = draft
+
+
+def make_group(runtime, vocab_size: int) -> "DraftGroup":
+    return DraftGroup(runtime.draft.model, vocab_size, runtime.profile.kv.prefill_chunk)
+
+
+def kv_bytes_per_token(runtime) -> int:
+    draft = runtime.draft
+    return model_kv_bytes(draft.config, compute_dtype_bytes(draft.model)) if draft is not None else 0
 
 
 class DraftGroup(ChainGroup):

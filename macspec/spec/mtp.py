@@ -12,11 +12,31 @@ import mlx.core as mx
 
 from ..kv.batched import BatchKV, layout_of
 from ..kv.cache import eval_cache, make_trimmable_cache
+from ..models.loader import load_mtp_head
 from ..models.mtp import MTPHead
 from ..models.view import ModelView
+from ..monitor.memory import compute_dtype_bytes, kv_bytes_per_token as model_kv_bytes
+from ..progress import phase
 from .base import ChainGroup, ChainRow, pad_rows
 
 MAX_PENDING_ROWS = 2048  # hidden rows buffered per row while its group does not draft
+
+
+def load(runtime, fallback: bool = True) -> None:
+    """The head from the target's checkpoint (its MTP layer)."""
+    if runtime.mtp_head is None:
+        with phase("loading the MTP head"):
+            runtime.mtp_head = load_mtp_head(runtime.target)
+
+
+def make_group(runtime, vocab_size: int) -> "MTPGroup":
+    return MTPGroup(runtime.mtp_head, runtime.view, vocab_size)
+
+
+def kv_bytes_per_token(runtime) -> int:
+    """One decoder layer of the target's shape (the head's block)."""
+    target = runtime.target
+    return model_kv_bytes(target.config, compute_dtype_bytes(target.model), layers=1)
 
 
 class MTPRow:

@@ -5,6 +5,19 @@ from __future__ import annotations
 from .base import ChainRow, Drafts, ProposerGroup
 
 
+def load(runtime, fallback: bool = True) -> None:
+    """Nothing to load: the context is the model."""
+
+
+def make_group(runtime, vocab_size: int) -> "NgramGroup":
+    spec = runtime.profile.speculative
+    return NgramGroup(spec.ngram_max, spec.ngram_min)
+
+
+def kv_bytes_per_token(runtime) -> int:
+    return 0
+
+
 class NgramIndex:
     """One row's index: n-gram -> where the token after its latest occurrence sits."""
 

@@ -11,9 +11,10 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 
-def pair_key(method: str, target: str, draft: str | None) -> str:
-    """Acceptance belongs to a (target, proposer) pair."""
-    return f"{method}|{target}|{draft or ''}" if method == "draft" else f"{method}|{target}"
+def pair_key(method: str, target: str, model: str | None, paired: bool) -> str:
+    """Acceptance belongs to a (target, proposer) pair: with the proposer's own model, if it
+    has one (`paired`)."""
+    return f"{method}|{target}|{model or ''}" if paired else f"{method}|{target}"
 
 
 def load(path: Path, keys: dict[str, str]) -> dict[str, list[float]]:

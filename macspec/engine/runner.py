@@ -11,9 +11,9 @@ import time
 
 import mlx.core as mx
 
-from .kv.batched import BatchKV, layout_of
-from .kv.cache import cache_arrays, leaves, make_trimmable_cache
-from .models.view import ModelView
+from ..kv.batched import BatchKV, layout_of
+from ..kv.cache import cache_arrays, leaves, make_trimmable_cache
+from ..models.view import ModelView
 
 NO_ENTRY = -1  # "no prefix-cache entry" in ops
 
@@ -65,6 +65,13 @@ class TargetRunner:
         return sum(a[:, :, :length].nbytes for c in leaves(self.slots[slot]) for a in c.state[:2])
 
     # ---- batched decode --------------------------------------------------------------
+    needs_host_tokens = False  # one process: the window stays lazy until the step's sync
+
+    def forward(self, tokens: mx.array, host_tokens: list[list[int]] | None) -> tuple[mx.array, mx.array]:
+        """The step's window [B, W] -> (logits, hidden), lazy (MirroredRunner: evaluated, its
+        peers given `host_tokens`)."""
+        return self.forward_lazy(tokens)
+
     def decode(self, rows: int, window: int, tokens: list[int]) -> tuple[mx.array, mx.array]:
         """One forward of `window` positions for every row -> (logits, hidden), both evaluated."""
         self.kv.begin(window)

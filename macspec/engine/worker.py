@@ -13,12 +13,12 @@ import threading
 import time
 
 from ..config import load_profile
-from ..runner import TargetRunner
+from .runner import TargetRunner
 from ..models.loader import load_model
 from ..models.view import ModelView
-from .bootstrap import GROUP_ENV, BootstrapError, join_group, joining_marker
-from .channel import PlanChannel
-from .handshake import handshake, identity
+from ..distributed.bootstrap import GROUP_ENV, BootstrapError, join_group, joining_marker
+from ..distributed.channel import PlanChannel
+from ..distributed.handshake import handshake, identity
 
 logger = logging.getLogger(__name__)
 

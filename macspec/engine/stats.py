@@ -1,0 +1,82 @@
+"""What the engine counts: requests and tokens, steps by batch size, host syncs, where step time
+goes, and the periodic log line. /v1/status, /metrics and the benchmarks read these."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from ..monitor.memory import MB, usage
+
+logger = logging.getLogger(__name__)
+
+LOG_INTERVAL_S = 30.0
+STEP_PARTS = ("prefill", "plan", "build", "sync", "commit", "close")
+
+
+@dataclass
+class EngineStats:
+    totals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("requests", "completed", "cancelled", "failed", "rejected", "prompt_tokens",
+         "generated_tokens", "steps"), 0))
+    batch_histogram: dict[int, int] = field(default_factory=dict)  # rows in a step -> steps
+    host_syncs: int = 0  # in decode steps (one per step without TP)
+    time_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PARTS, 0.0))
+    last_log: float = field(default_factory=time.perf_counter)
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.totals[key] += n
+
+    def step_done(self, rows: int, marks: list[float]) -> None:
+        """A decode step over `rows` rows; `marks`: its perf_counter times, one per part boundary."""
+        self.totals["steps"] += 1
+        self.batch_histogram[rows] = self.batch_histogram.get(rows, 0) + 1
+        for part, start, end in zip(STEP_PARTS[1:], marks, marks[1:]):
+            self.time_s[part] += end - start
+
+    def as_dict(self) -> dict:
+        return {"totals": dict(self.totals),
+                "batch_size_histogram": {str(b): n for b, n in sorted(self.batch_histogram.items())},
+                "host_syncs": self.host_syncs,
+                "time_ms": {k: round(v * 1e3, 1) for k, v in self.time_s.items()},
+                "host_syncs_per_step": round(self.host_syncs / max(1, self.totals["steps"]), 3)}
+
+    def maybe_log(self, engine) -> None:
+        """Every LOG_INTERVAL_S: the queues, acceptance per method and memory, at INFO."""
+        now = time.perf_counter()
+        if now - self.last_log < LOG_INTERVAL_S:
+            return
+        self.last_log = now
+        s, memory = engine.scheduler, engine.scheduler.memory
+        parts = [f"{m}: acceptance {st.acceptance_rate:.2f}, {st.tokens_per_forward:.2f} tok/fwd"
+                 for m, st in engine.speculator.totals.items()]
+        logger.info("%d running, %d waiting, %d tokens generated; %s", len(s.running), len(s.waiting),
+                    self.totals["generated_tokens"], "; ".join(parts) or "-")
+        mem = usage()
+        logger.info("memory: KV reserved %d/%d MB, prefix cache %d MB, MLX active %d MB, cache %d MB, "
+                    "%d admissions waited", memory.reserved // MB, memory.budget // MB,
+                    s.prefix_cache.nbytes // MB, mem["mlx_active_bytes"] // MB,
+                    mem["mlx_cache_bytes"] // MB, memory.waits)
+
+
+def engine_status(engine) -> dict:
+    """A snapshot of `engine`; call it from the thread that steps it (the service does)."""
+    s, memory = engine.scheduler, engine.scheduler.memory
+    rows = list(s.running)
+    states: dict[str, int] = {}
+    for seq in rows:
+        states[seq.controller.state] = states.get(seq.controller.state, 0) + 1
+    return {
+        "running": len(rows), "prefilling": len(s.prefilling), "waiting": len(s.waiting),
+        "max_batch": engine.max_batch,
+        **engine.stats.as_dict(),
+        "rows": {"k_in_use": [seq.controller.last_k for seq in rows], "states": states},
+        **engine.speculator.status(),
+        "prefix_cache": s.prefix_cache.as_dict(),
+        "kv_cache_bytes": engine.runner.kv.nbytes(),
+        "memory": {**usage(), "kv_budget_bytes": memory.budget, "kv_reserved_bytes": memory.reserved,
+                   "limit_bytes": memory.limit},
+        "admission": memory.as_dict(),
+        "tensor_parallel": engine.tp.status() if engine.tp is not None else None,
+    }

@@ -1,0 +1,51 @@
+"""The proposers, one line each: config validation, the CLI, the engine, the priors file,
+/v1/status, the docs and the tests all read this table.
+
+A proposer is a module under `spec/` (named here) that defines
+- `load(runtime, fallback)`: load what it needs beside the target (its model), once;
+- `make_group(runtime, vocab_size)`: a fresh `ProposerGroup` for every row of its method;
+- `kv_bytes_per_token(runtime)`: the KV its own cache holds per token (0 when it has none).
+Plain importing this table loads no MLX, so a bad profile is reported before MLX starts.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+
+@dataclass(frozen=True)
+class Proposer:
+    name: str  # the profile's speculative.method, --method, the API's speculative.method
+    module: str  # its implementation: macspec.spec.<module>
+    help: str
+    # The profile key naming the proposer's own model, when it has one (it must be set, and the
+    # acceptance it earns belongs to the (target, that model) pair).
+    model_key: str | None = None
+
+
+PROPOSERS = (
+    Proposer("draft", "draft", "a small model with the target's tokenizer", model_key="draft_model"),
+    Proposer("mtp", "mtp", "the target's multi-token-prediction head (DeepSeek V3, GLM, Kimi)"),
+    Proposer("ngram", "ngram", "prompt lookup over the context; no extra model"),
+)
+PLAIN = "none"  # no proposer: plain decoding
+METHODS = tuple(p.name for p in PROPOSERS) + (PLAIN,)
+BY_NAME = {p.name: p for p in PROPOSERS}
+
+
+def implementation(name: str) -> ModuleType:
+    """The module that implements proposer `name` (imports MLX)."""
+    return importlib.import_module(f"{__package__}.spec.{BY_NAME[name].module}")
+
+
+def own_model(method: str, speculative) -> str | None:
+    """The model `method` loads beside the target (from a SpeculativeConfig), if any."""
+    proposer = BY_NAME.get(method)
+    return getattr(speculative, proposer.model_key) if proposer and proposer.model_key else None
+
+
+def summary() -> str:
+    """One line per method, for help texts."""
+    return "; ".join(f"{p.name}: {p.help}" for p in PROPOSERS) + f"; {PLAIN}: plain decoding"

@@ -1,0 +1,58 @@
+"""Seed the planner's cost model at start: the target forward at a few (rows, window) shapes,
+and the proposer's chain step at one row and at four, so the first requests plan from
+measurements instead of guesses (the model refines itself online after that)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import mlx.core as mx
+
+from .. import proposers
+from ..sampling import Rng, RowContext, SamplingParams
+from .base import ChainGroup, ChainRow
+from .speculator import Speculator
+
+logger = logging.getLogger(__name__)
+
+
+def calibrate(speculator: Speculator, runner, method: str, max_batch: int, width: int) -> None:
+    """`runner.time_forward(rows, window, repeats)` times the target; `width`: its hidden size."""
+    k_max = max(1, speculator.settings.num_draft_tokens)
+    # The largest batch too: on a CPU a wide batch leaves the bandwidth-bound regime.
+    for rows in sorted({1, min(4, max_batch), max_batch}):
+        for window in (1, k_max + 1):
+            for seconds in runner.time_forward(rows, window, 3)[1:]:  # the first pays one-off costs
+                speculator.planner.forward.observe(rows, window, seconds)
+    if method != proposers.PLAIN:
+        speculator.guarded("cost_model", _calibrate_chain, speculator, method, k_max, width, drop=method)
+    costs = speculator.planner.as_dict()
+    logger.info("calibrated step costs (ms): target %s, draft chain %s", costs["forward_ms"],
+                costs["draft_chain_step_ms"])
+
+
+def _calibrate_chain(speculator: Speculator, method: str, k_max: int, width: int) -> None:
+    """Seconds per chain step of a model proposer, on scratch rows of a scratch group."""
+    seconds = {}
+    for count in (1, 4):
+        group = speculator.make_group(method)
+        if not isinstance(group, ChainGroup):  # host proposers are timed as they run
+            return
+        committed = list(range(1, 18))
+        hidden = mx.zeros((16, width)) if group.needs_hidden else None
+        for key in range(count):
+            group.join(key, committed, hidden)
+        times = []
+        for _ in range(3):
+            rows = [ChainRow(key, RowContext(SamplingParams(), committed), k_max, Rng(0)) for key in range(count)]
+            for key in range(count):
+                group.observe(key, mx.zeros((1, width)))
+            t0 = time.perf_counter()
+            drafts = group.propose(rows)
+            mx.eval([d.tokens for d in drafts.values()], group.cache_arrays())
+            times.append((time.perf_counter() - t0) / k_max)
+            group.settle({})
+            committed = committed + [1]
+        seconds[count] = min(times[1:])
+    speculator.planner.calibrate_proposer(method, seconds[1], 4, seconds[4])
