@@ -31,7 +31,8 @@ PROPOSERS = (
     Proposer("ngram", "ngram", "prompt lookup over the context; no extra model"),
 )
 PLAIN = "none"  # no proposer: plain decoding
-METHODS = tuple(p.name for p in PROPOSERS) + (PLAIN,)
+PROPOSER_NAMES = tuple(p.name for p in PROPOSERS)
+METHODS = PROPOSER_NAMES + (PLAIN,)
 BY_NAME = {p.name: p for p in PROPOSERS}
 
 

@@ -14,6 +14,7 @@ from macspec.config import load_profile
 from macspec.models.loader import load_model
 from macspec.sampling import SamplingParams
 from macspec.spec.draft import DraftGroup
+from macspec.proposers import METHODS
 
 from .conftest import engine_for, generate, tiny_runtime
 from .modeldirs import random_copy_of_embedded
@@ -48,7 +49,7 @@ def test_a_batch_of_draft_rows_is_one_group_and_equals_each_row_alone(prompts):
     assert all(c.stats["acceptance_rate"] > 0 for c in out)
 
 
-@pytest.mark.parametrize("method", ["draft", "mtp", "ngram", "none"])
+@pytest.mark.parametrize("method", METHODS)
 def test_one_host_sync_per_decode_step(prompts, method):
     runtime = tiny_runtime(method)
     engine = calibrated_engine(runtime, max_batch=4)

@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from macspec.cli import main
+from macspec.proposers import METHODS
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPLETIONS = {"bash_source": "macspec.bash", "zsh_source": "_macspec", "fish_source": "macspec.fish"}
@@ -61,7 +62,7 @@ def test_chat_flag_applies_the_template():
     assert chat["prompt_tokens"] > raw["prompt_tokens"]
 
 
-@pytest.mark.parametrize("method", ["draft", "mtp", "ngram", "none"])
+@pytest.mark.parametrize("method", METHODS)
 def test_every_method_runs_from_the_cli(method):
     result = invoke("run", "def f(x):\n    return", "--json", "--max-tokens", "12",
                     "--method", method, "--num-draft", "3", "--fixed-k")

@@ -14,6 +14,7 @@ from macspec.engine.runtime import Runtime
 from macspec.grammar import GrammarCompiler
 from macspec.sampling import RowContext, SamplingParams, processed_logprobs
 from macspec.models.loader import load_model, load_mtp_head
+from macspec.proposers import PROPOSER_NAMES
 
 from .conftest import engine_for
 from .modeldirs import (build_model, random_mtp_head, save_model, tiny_llama_config,
@@ -92,7 +93,7 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("config,batch", [("t1", 1), ("processed", 1), ("processed", 4)])
-@pytest.mark.parametrize("method", ["draft", "mtp", "ngram"])
+@pytest.mark.parametrize("method", PROPOSER_NAMES)
 def test_speculative_sampling_matches_target_distribution(tiny_vocab_dirs, method, config, batch):
     """Through the engine `serve` uses, alone and with `batch` requests sharing each step."""
     runtime = make_runtime(tiny_vocab_dirs, method)

@@ -9,6 +9,7 @@ from mlx_lm.generate import generate_step
 import mlx.core as mx
 
 from macspec.sampling import SamplingParams
+from macspec.proposers import PROPOSER_NAMES
 
 from .conftest import engine_for, generate
 
@@ -57,7 +58,7 @@ def test_plain_matches_mlx_lm_greedy(runtime_for, prompts):
 
 @pytest.mark.parametrize("params", [PLAIN, PENALIZED], ids=["plain", "repetition-penalty"])
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize("method", ["draft", "mtp", "ngram"])
+@pytest.mark.parametrize("method", PROPOSER_NAMES)
 def test_speculative_greedy_equals_plain(runtime_for, prompts, method, k, params):
     runtime = runtime_for(method)
     reference = plain_outputs(runtime_for, prompts, params)
@@ -80,7 +81,7 @@ def openai_penalties(runtime) -> SamplingParams:
                                       (max(up, down), -2.5 if up < down else 2.5)))
 
 
-@pytest.mark.parametrize("method", ["draft", "mtp", "ngram"])
+@pytest.mark.parametrize("method", PROPOSER_NAMES)
 def test_openai_penalties_and_logit_bias_are_lossless(runtime_for, prompts, method):
     runtime = runtime_for(method)
     params = openai_penalties(runtime)
@@ -103,7 +104,7 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
                          "pure": {"type": "boolean"}}}
 
 
-@pytest.mark.parametrize("method", ["draft", "mtp", "ngram"])
+@pytest.mark.parametrize("method", PROPOSER_NAMES)
 def test_greedy_under_a_json_schema_is_lossless(runtime_for, prompts, method):
     """Structured output keeps speculating: each window position masked by the grammar state
     after the drafts before it; the output equals plain decoding under the same schema."""

@@ -10,12 +10,13 @@ import time
 import pytest
 import requests
 
+from macspec.proposers import METHODS
+
 from .conftest import heldout_prompts
 from .serverutil import RunningServer, runtime_with
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server/process
 
-METHODS = ["draft", "mtp", "ngram", "none"]
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def server():
 def _body(i: int, prompt: list[int], sampled: bool) -> dict:
     body = {"prompt": prompt, "max_tokens": 24 + 5 * (i % 5), "temperature": 0,
             "repetition_penalty": 1.1 if i % 3 == 0 else 1.0,
-            "speculative": {"method": METHODS[i % 4], "num_draft_tokens": 1 + i % 6,
+            "speculative": {"method": METHODS[i % len(METHODS)], "num_draft_tokens": 1 + i % 6,
                             "adaptive": i % 2 == 0}}
     if sampled:
         body.update(temperature=0.8, top_p=0.9, seed=1000 + i)

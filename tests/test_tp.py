@@ -17,6 +17,7 @@ import requests
 
 from macspec.config import find_profile, load_profile
 from macspec.distributed.bootstrap import group_spec
+from macspec.proposers import PROPOSER_NAMES
 
 from .serverutil import RunningServer, runtime_with
 from .tputil import TPServer
@@ -24,7 +25,7 @@ from .tputil import TPServer
 pytestmark = pytest.mark.slow  # loads a model or starts a server/process
 
 MAX_TOKENS = 40
-METHODS_K = [("none", 1)] + [(m, k) for m in ("draft", "mtp", "ngram") for k in (1, 2, 4, 8)]
+METHODS_K = [("none", 1)] + [(m, k) for m in PROPOSER_NAMES for k in (1, 2, 4, 8)]
 
 
 @pytest.fixture(scope="module")

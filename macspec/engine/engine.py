@@ -114,7 +114,7 @@ class Engine(BlockingAPI):
                 self._fail_prefill(chunk[0], exc)
             self.stats.time_s["prefill"] += time.perf_counter() - t0
         if self.scheduler.running:
-            self._decode_step(self.scheduler.running)
+            self._decode_step(list(self.scheduler.running))
         self._publish_counts()
         self.stats.maybe_log(self)
 

@@ -73,16 +73,16 @@ class EngineService:
         if not self.alive:
             raise EngineUnavailableError("the engine is not running")
         with self._lock:
-            queued = len(self.engine.scheduler.waiting) + sum(1 for op, _ in self._inbox if op == "submit")
+            queued = len(self.engine.scheduler.waiting) + sum(1 for op, _ in self._inbox if op == self._add)
             if queued + len(requests) > self.max_queue:
                 self.engine.stats.count("rejected", len(requests))
                 raise QueueFullError(f"the queue is full ({self.max_queue} waiting); retry later")
-            self._inbox.extend(("submit", request) for request in requests)
+            self._inbox.extend((self._add, request) for request in requests)
         self._wake.set()
 
     def cancel(self, request_id: int, reason: str = "cancelled") -> None:
         with self._lock:
-            self._inbox.append(("cancel", (request_id, reason)))
+            self._inbox.append((self._cancel, (request_id, reason)))
         self._wake.set()
 
     def status(self) -> dict:
@@ -90,7 +90,7 @@ class EngineService:
         if self._thread_alive() and threading.current_thread() is not self._thread:
             future: Future = Future()
             with self._lock:
-                self._inbox.append(("status", future))
+                self._inbox.append((self._status, future))
             self._wake.set()
             try:
                 body = self._last_status = future.result(STATUS_WAIT_S)
@@ -142,22 +142,27 @@ class EngineService:
         return str(exc)
 
     def _drain_inbox(self) -> None:
+        """Run what other threads queued (each entry: a handler below and its payload)."""
         while True:
             with self._lock:
                 if not self._inbox:
                     return
-                op, payload = self._inbox.popleft()
-            if op == "cancel":
-                self.engine.cancel(*payload)
-            elif op == "status":
-                try:
-                    payload.set_result(self.engine.status())
-                except Exception as exc:
-                    payload.set_exception(exc)
-            else:
-                try:
-                    self.engine.add_request(payload)
-                except MacspecError as err:
-                    emit_safely(payload, Failed(err))
-                    continue
-                emit_safely(payload, Accepted())
+                handle, payload = self._inbox.popleft()
+            handle(payload)
+
+    def _add(self, request: GenerationRequest) -> None:
+        try:
+            self.engine.add_request(request)
+        except MacspecError as err:
+            emit_safely(request, Failed(err))
+            return
+        emit_safely(request, Accepted())
+
+    def _cancel(self, payload: tuple[int, str]) -> None:
+        self.engine.cancel(*payload)
+
+    def _status(self, future: Future) -> None:
+        try:
+            future.set_result(self.engine.status())
+        except Exception as exc:
+            future.set_exception(exc)

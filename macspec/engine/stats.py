@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from .. import proposers
 from ..monitor.memory import MB, usage
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ def engine_status(engine) -> dict:
         "max_batch": engine.max_batch,
         **engine.stats.as_dict(),
         "rows": {"k_in_use": [seq.controller.last_k for seq in rows], "states": states},
+        "proposers": {"default": engine.runtime.method, "methods": list(proposers.METHODS),
+                      "unavailable": dict(engine.runtime.unavailable)},
         **engine.speculator.status(),
         "prefix_cache": s.prefix_cache.as_dict(),
         "kv_cache_bytes": engine.runner.kv.nbytes(),
