@@ -80,7 +80,7 @@ def test_admission_waits_for_memory_and_refuses_what_never_fits():
         assert too_big.status_code == 400
         error = too_big.json()["error"]
         assert error["param"] == "max_tokens" and "KV budget is 2.0 MB" in error["message"]
-        engine, runtime = server.engine.engine, server.runtime
+        runtime = server.runtime
         prompt = len(runtime.tokenizer.encode("x", add_special_tokens=False))
         k = runtime.profile.speculative.num_draft_tokens
         need = (prompt + 1900 + k + 1) * runtime.kv_bytes_per_token(runtime.method)  # full length, proposer too

@@ -38,7 +38,8 @@ class BlockingAPI:
 
         completions = [Completion() for _ in prompts]
         for i, prompt in enumerate(prompts):
-            request = GenerationRequest(list(prompt), each(params, i), each(max_tokens, i), _collector(completions[i]),
+            request = GenerationRequest(list(prompt), each(params, i), each(max_tokens, i),
+                                        _collector(completions[i]),
                                         **{k: each(v, i) for k, v in options.items()})
             try:
                 self.add_request(request)

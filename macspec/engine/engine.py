@@ -15,7 +15,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from .. import faults
+from .. import faults, proposers
 from ..blas import govern_threads
 from ..errors import EngineUnavailableError, MacspecError
 from ..grammar import GrammarError
@@ -47,7 +47,8 @@ class Engine(BlockingAPI):
         self.runner = self._make_runner(TargetRunner(runtime.view))
         self.speculator = Speculator(lambda method: runtime.make_group(method, runtime.vocab_size),
                                      profile.speculative, runtime.vocab_size)
-        memory = KVBudget.for_engine(runtime.kv_bytes_per_token("none", self.tp_size), profile.kv.kv_budget_mb)
+        memory = KVBudget.for_engine(runtime.kv_bytes_per_token(proposers.PLAIN, self.tp_size),
+                                     profile.kv.kv_budget_mb)
         logger.info("KV budget %d MB (%s), %d bytes per token", memory.budget // MB, memory.source,
                     memory.bytes_per_token)
         self.scheduler = Scheduler(self.runner, memory, PrefixCache(profile.kv.prefix_cache_mb * 2**20),
@@ -121,7 +122,8 @@ class Engine(BlockingAPI):
     def _publish_counts(self) -> None:
         """Queue lengths other threads may read while a (long) step runs."""
         s = self.scheduler
-        self.live_counts = {"running": len(s.running), "prefilling": len(s.prefilling), "waiting": len(s.waiting)}
+        self.live_counts = {"running": len(s.running), "prefilling": len(s.prefilling),
+                            "waiting": len(s.waiting)}
 
     def _prefill(self, seq: Sequence, chunk: list[int]) -> None:
         faults.check("prefill")
@@ -133,7 +135,8 @@ class Engine(BlockingAPI):
         if seq.prefill_done < len(seq.prompt):
             return
         masks = seq.constraint.masks([])[0] if seq.constraint is not None else None
-        verdict, report = window.row_verdict(seq, logits, mx.array([], dtype=mx.int32), None, seq.context(masks))
+        no_drafts = mx.array([], dtype=mx.int32)
+        verdict, report = window.row_verdict(seq, logits, no_drafts, None, seq.context(masks))
         mx.eval(verdict, report if report is not None else [])
         seq.stats.prompt_tokens = len(seq.prompt)
         seq.stats.ttft_s = time.perf_counter() - seq.started
@@ -213,7 +216,8 @@ class Engine(BlockingAPI):
     # ---- ends ----------------------------------------------------------------------------
     def _close(self, seq: Sequence, reason: str | None = None) -> None:
         seq.finish(reason)
-        self.stats.count("cancelled" if seq.stats.finish_reason == "cancelled" else "completed")  # "stop" completes
+        # "stop" (a stop string matched) completes the request
+        self.stats.count("cancelled" if seq.stats.finish_reason == "cancelled" else "completed")
         self.speculator.leave(seq)
 
     def _fail_prefill(self, seq: Sequence, exc: Exception) -> None:

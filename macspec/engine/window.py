@@ -36,7 +36,8 @@ def window_tokens(seqs: list[Sequence], ks: list[int], drafts: list, width: int)
     return tokens
 
 
-def grammar_masks(seqs: list[Sequence], ks: list[int], host_tokens: list[list[int]] | None) -> dict[int, mx.array]:
+def grammar_masks(seqs: list[Sequence], ks: list[int],
+                  host_tokens: list[list[int]] | None) -> dict[int, mx.array]:
     """Row index -> allowed ids at each window position under its grammar; a row's k is cut just
     past its first draft the grammar refuses (that draft is then rejected, losslessly)."""
     masks = {}

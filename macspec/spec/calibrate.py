@@ -45,7 +45,8 @@ def _calibrate_chain(speculator: Speculator, method: str, k_max: int, width: int
             group.join(key, committed, hidden)
         times = []
         for _ in range(3):
-            rows = [ChainRow(key, RowContext(SamplingParams(), committed), k_max, Rng(0)) for key in range(count)]
+            rows = [ChainRow(key, RowContext(SamplingParams(), committed), k_max, Rng(0))
+                    for key in range(count)]
             for key in range(count):
                 group.observe(key, mx.zeros((1, width)))
             t0 = time.perf_counter()
