@@ -14,7 +14,8 @@ from macspec.engine.runtime import Runtime
 from macspec.sampling import SamplingParams
 from macspec.forge import corpus
 from macspec.models.built import WIDE_HIDDEN
-from macspec.models.loader import LoadedModel, load_model, load_mtp_head
+from macspec.models.checkpoint import LoadedModel, load_mtp_head
+from macspec.models.loader import load_model
 
 
 def bench_prompts(tokenizer, count: int, length: int = 96) -> list[list[int]]:

@@ -1,9 +1,10 @@
-"""The package import graph of macspec, and whether it has a cycle.
+"""The import graphs of macspec, and whether they have a cycle.
 
     python benchmarks/import_graph.py      # prints "a -> b" edges; exit 1 on a cycle
 
 Every `import`/`from` in macspec/ counts, function-level ones included (a lazy import is
-still a dependency). Nodes are macspec's top-level modules and packages (engine, spec, ...).
+still a dependency). Two graphs: between macspec's top-level modules and packages (engine,
+spec, ...), and between modules inside each package (engine.engine -> engine.scheduler).
 """
 
 from __future__ import annotations
@@ -61,6 +62,22 @@ def graph() -> dict[str, set[str]]:
     return edges
 
 
+def module_graph() -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports (a package's __init__ is a module)."""
+    modules = {module_name(path) for path in PACKAGE.rglob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        source = module_name(path)
+        package = source.rsplit(".", 1)[0] if path.name != "__init__.py" else source
+        for target in imports(path):
+            while target and target not in modules:  # `from .x import name`: x, not name
+                target = target.rsplit(".", 1)[0] if "." in target else ""
+            same_package = target.rsplit(".", 1)[0] == package if target else False
+            if target and target != source and same_package:
+                edges.setdefault(source, set()).add(target)
+    return edges
+
+
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components with more than one node (Tarjan)."""
     index, low, stack, on_stack, out, counter = {}, {}, [], set(), [], [0]
@@ -101,7 +118,11 @@ def main() -> int:
     for component in found:
         print("cycle:", " <-> ".join(component))
     print("no package import cycle" if not found else f"{len(found)} cycle(s)")
-    return 1 if found else 0
+    module_cycles = cycles(module_graph())
+    for component in module_cycles:
+        print("module cycle:", " <-> ".join(component))
+    print("no module import cycle" if not module_cycles else f"{len(module_cycles)} module cycle(s)")
+    return 1 if found or module_cycles else 0
 
 
 if __name__ == "__main__":

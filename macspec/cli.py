@@ -499,7 +499,7 @@ def forge(what, out, recipe, reuse_target, log_level):
     setup_logging(log_level)
     if what == "smollm2-mtp":
         from .forge.smollm2 import HEAD_ASSET, RECIPES as HEAD_RECIPES, forge_head
-        from .models.loader import embedded_dir
+        from .models.store import embedded_dir
 
         path = Path(out) if out else embedded_dir() / HEAD_ASSET
         report = forge_head(path, HEAD_RECIPES[recipe])

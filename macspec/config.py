@@ -98,6 +98,14 @@ class SpeculativeConfig:
     adaptive: bool = spec(True, _bool, "choose k per request from measured acceptance and cost")
     ngram_max: int = spec(4, _range(1, 16, integer=True), "longest n-gram matched (method = ngram)")
     ngram_min: int = spec(1, _range(1, 16, integer=True), "shortest n-gram matched")
+    suffix_max_tokens: int = spec(16, _range(1, 32, integer=True),
+                                  "longest draft of method = suffix (its drafts run long where the "
+                                  "context repeats)")
+    suffix_factor: float = spec(1.0, _range(0.1, 8.0), "suffix: draft at most factor x match length")
+    suffix_min_prob: float = spec(0.1, _range(0.0, 1.0), "suffix: stop where the continuation's "
+                                  "estimated probability falls below this")
+    suffix_cache_requests: int = spec(64, _range(0, 4096, integer=True),
+                                      "suffix: recent answers drafted from (0 = this request only)")
     probe_min_steps: int = spec(64, _range(1, integer=True), "first probe after turning off")
     probe_max_steps: int = spec(4096, _range(1, integer=True), "probe interval cap")
     allow_fallback: bool = spec(False, _bool, "use n-gram when the draft is incompatible")

@@ -23,12 +23,17 @@ class Proposer:
     # The profile key naming the proposer's own model, when it has one (it must be set, and the
     # acceptance it earns belongs to the (target, that model) pair).
     model_key: str | None = None
+    # The profile key holding its longest draft, when not speculative.num_draft_tokens (a
+    # proposer whose drafts are often right for many tokens at once).
+    max_draft_key: str | None = None
 
 
 PROPOSERS = (
     Proposer("draft", "draft", "a small model with the target's tokenizer", model_key="draft_model"),
     Proposer("mtp", "mtp", "the target's multi-token-prediction head (DeepSeek V3, GLM, Kimi)"),
     Proposer("ngram", "ngram", "prompt lookup over the context; no extra model"),
+    Proposer("suffix", "suffix", "the longest match in the context and recent answers; no extra model "
+             "(agents: edits, tool loops, extraction)", max_draft_key="suffix_max_tokens"),
 )
 PLAIN = "none"  # no proposer: plain decoding
 PROPOSER_NAMES = tuple(p.name for p in PROPOSERS)
@@ -45,6 +50,13 @@ def own_model(method: str, speculative) -> str | None:
     """The model `method` loads beside the target (from a SpeculativeConfig), if any."""
     proposer = BY_NAME.get(method)
     return getattr(speculative, proposer.model_key) if proposer and proposer.model_key else None
+
+
+def max_draft(method: str, speculative) -> int:
+    """The longest draft `method` makes by default (from a SpeculativeConfig)."""
+    proposer = BY_NAME.get(method)
+    key = proposer.max_draft_key if proposer and proposer.max_draft_key else "num_draft_tokens"
+    return getattr(speculative, key)
 
 
 def summary() -> str:

@@ -6,7 +6,7 @@ import macspec  # noqa: F401  (loads the fast BLAS before mlx)
 
 import pytest
 
-from macspec.config import load_profile
+from macspec.config import BUILTIN_PROFILE_DIR, load_profile
 from macspec.engine.blocking import Completion
 from macspec.engine.engine import Engine
 from macspec.engine.launch import calibrated_engine
@@ -14,7 +14,6 @@ from macspec.engine.runtime import Runtime
 from macspec.sampling import SamplingParams
 from macspec.forge import corpus
 
-METHOD_PROFILES = {"draft": "tiny", "mtp": "tiny-mtp", "ngram": "tiny-ngram", "none": "tiny"}
 
 
 @pytest.fixture(autouse=True)
@@ -28,7 +27,9 @@ _RUNTIMES: dict[str, Runtime] = {}
 
 def tiny_runtime(method: str) -> Runtime:
     if method not in _RUNTIMES:
-        profile = load_profile(METHOD_PROFILES[method])
+        # The method's own tiny profile where one ships (tiny-mtp, tiny-ngram...), else tiny's.
+        names = {p.stem for p in BUILTIN_PROFILE_DIR.glob("tiny-*.toml")}
+        profile = load_profile(f"tiny-{method}" if f"tiny-{method}" in names else "tiny")
         profile.speculative.method = method
         _RUNTIMES[method] = Runtime.load(profile)
     return _RUNTIMES[method]

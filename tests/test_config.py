@@ -6,6 +6,7 @@ import pytest
 
 from macspec.config import find_profile, list_profiles, load_profile, load_profile_file
 from macspec.errors import ProfileError
+from macspec.proposers import METHODS
 
 SHIPPED = ["tiny", "tiny-mtp", "tiny-ngram", "tiny-wide", "kimi-tp2", "glm5-mtp"]
 
@@ -37,7 +38,7 @@ def write(tmp_path, text, name="bad.toml"):
 @pytest.mark.parametrize("text, fragments", [
     ("[model]\npaht = 'x'\n", ["unknown key model.paht", "allowed keys:", "path"]),
     ("[speculative]\nnum_draft_tokens = 0\n", ["speculative.num_draft_tokens = 0", "in [1, 32]"]),
-    ("[speculative]\nmethod = 'eagle'\n", ["speculative.method = 'eagle'", "'draft', 'mtp', 'ngram', 'none'"]),
+    ("[speculative]\nmethod = 'eagle'\n", ["speculative.method = 'eagle'", ", ".join(map(repr, METHODS))]),
     ("[sampling]\ntemperature = 'hot'\n", ["sampling.temperature = 'hot'", "a number"]),
     ("[sampling]\ntop_k = 1.5\n", ["sampling.top_k = 1.5", "an integer"]),
     ("[model]\nchat = 'yes'\n", ["model.chat = 'yes'", "true or false"]),

@@ -13,7 +13,8 @@ from macspec.config import Profile
 from macspec.engine.runtime import Runtime
 from macspec.grammar import GrammarCompiler
 from macspec.sampling import RowContext, SamplingParams, processed_logprobs
-from macspec.models.loader import load_model, load_mtp_head
+from macspec.models.checkpoint import load_mtp_head
+from macspec.models.loader import load_model
 from macspec.proposers import PROPOSER_NAMES
 
 from .conftest import engine_for

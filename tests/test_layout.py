@@ -21,6 +21,19 @@ def test_no_package_import_cycle():
     assert graph.cycles(graph.graph()) == []
 
 
+def test_no_module_import_cycle_inside_a_package():
+    """Function-level imports count: a lazy import that closes a loop is still a cycle."""
+    graph = _graph_module()
+    edges = graph.module_graph()
+    assert "macspec.models.store" in edges.get("macspec.models.built", set())  # the graph sees imports
+    assert graph.cycles(edges) == []
+
+
+def test_models_store_is_the_bottom_of_models():
+    edges = _graph_module().module_graph()
+    assert not edges.get("macspec.models.store"), edges.get("macspec.models.store")
+
+
 def test_lower_layers_do_not_import_the_engine_or_the_server():
     edges = _graph_module().graph()
     for low in ("spec", "distributed", "proposers", "faults", "kv", "sampling", "models"):

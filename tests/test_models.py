@@ -15,7 +15,8 @@ from macspec.engine.runtime import Runtime
 from macspec.sampling import SamplingParams
 from macspec.errors import IncompatibleDraftError, ModelLoadError, UnsupportedModelError
 from macspec.models.compat import check_draft_compatible
-from macspec.models.loader import load_model, load_mtp_head, resolve_path
+from macspec.models.checkpoint import load_mtp_head
+from macspec.models.loader import load_model, resolve_path
 
 from .conftest import engine_for, generate
 from .modeldirs import build_model, random_mtp_head, save_model, write_word_tokenizer

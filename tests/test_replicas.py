@@ -20,7 +20,8 @@ from click.testing import CliRunner
 from macspec.cli import main
 from macspec.models.replicas import REPLICAS
 from macspec.models import built
-from macspec.models.loader import find_local_model, resolve_path, safetensors_header
+from macspec.models.loader import find_local_model, resolve_path
+from macspec.models.store import safetensors_header
 
 # The keys of the real checkpoints' config.json (values aside). Kimi K2.5 (moonshotai/Kimi-K2.5,
 # as mlx-community converts it) without its vision tower (vision_config, video_placeholder) and
@@ -249,7 +250,8 @@ def _greedy(model, prompt: list[int], steps: int) -> list[int]:
 def test_draft_and_mtp_agree_with_their_target_partially(replicas):
     """Top-1 agreement on the target's own greedy continuations (the per-token chance a greedy
     proposal is accepted): neither ~0 (a useless proposer) nor ~1 (the reject path never runs)."""
-    from macspec.models.loader import load_model, load_mtp_head
+    from macspec.models.checkpoint import load_mtp_head
+    from macspec.models.loader import load_model
     from macspec.models.view import ModelView
 
     target = load_model(str(replicas["kimi-k25-mini"]))

@@ -16,7 +16,9 @@ import pytest
 from macspec.config import Profile, load_profile
 from macspec.engine.runtime import Runtime
 from macspec.models import pulled
-from macspec.models.loader import load_model, load_mtp_head, safetensors_header
+from macspec.models.checkpoint import load_mtp_head
+from macspec.models.loader import load_model
+from macspec.models.store import safetensors_header
 from macspec.models.mtp import MTPHead, make_block_like
 from macspec.sampling import SamplingParams
 

@@ -17,7 +17,8 @@ from macspec.cli import main
 from macspec.config import load_profile
 from macspec.errors import ModelLoadError
 from macspec.models import built
-from macspec.models.loader import find_local_model, load_model, load_mtp_head, resolve_path
+from macspec.models.checkpoint import load_mtp_head
+from macspec.models.loader import find_local_model, load_model, resolve_path
 
 
 def invoke(*args):

@@ -21,25 +21,20 @@ logger = logging.getLogger(__name__)
 def preflight(profile: Profile) -> None:
     """What rank 0 can tell before starting any peer, all of it at once: models that are not on
     this machine (each rank would download them) and a backend this OS cannot run."""
-    from ..models.loader import find_local_model
+    from ..models.loader import find_local_model, source_of
 
     wanted = {"target": profile.model.path}
     proposer_model = own_model(profile.speculative.method, profile.speculative)
     if proposer_model:
         wanted["draft"] = proposer_model
     problems = [f"the {role} model {ref!r} is not on this machine (on every host: hf download {ref})"
-                for role, ref in wanted.items() if _fetched_by_hand(ref) and find_local_model(ref) is None]
+                for role, ref in wanted.items() if not source_of(ref).made_here and find_local_model(ref) is None]
     try:
         check_backend_here(profile.parallel)
     except BootstrapError as err:
         problems.append(str(err))
     if problems:
         raise BootstrapError(f"profile {profile.source}: " + "; ".join(problems))
-
-
-def _fetched_by_hand(ref: str) -> bool:
-    """built:, pulled:, embedded: and .gguf models are made on first use; the rest are not."""
-    return not ref.startswith(("built:", "pulled:", "embedded:")) and not ref.endswith(".gguf")
 
 
 @dataclass

@@ -36,7 +36,7 @@ def profile_hash(profile: Profile) -> str:
 
 def model_hash(path: Path) -> str:
     """config.json plus the weight index (or each safetensors header: names, shapes, dtypes)."""
-    from ..models.loader import safetensors_header
+    from ..models.store import safetensors_header
 
     digest = hashlib.sha256((path / "config.json").read_bytes())
     index = path / "model.safetensors.index.json"

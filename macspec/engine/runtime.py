@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 from ..config import Profile
 from ..errors import MacspecError, RequestError
-from ..models.loader import LoadedModel, load_model
+from ..models.checkpoint import LoadedModel
+from ..models.loader import load_model
 from ..models.mtp import MTPHead
 from ..models.view import ModelView
 from ..monitor.memory import apply_wired_limit, compute_dtype_bytes, kv_bytes_per_token

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from .. import proposers
 from ..errors import RequestError
 from ..sampling import Rng, RowContext
 from ..spec.base import ProposerGroup
@@ -163,7 +164,7 @@ def new_sequence(req: GenerationRequest, runtime, speculator: Speculator, max_co
     method = req.method or runtime.method
     runtime.ensure_method(method)
     proposer = speculator.group(method)
-    k_max = 0 if proposer is None else spec.num_draft_tokens if req.num_draft is None else req.num_draft
+    k_max = 0 if proposer is None else proposers.max_draft(method, spec) if req.num_draft is None else req.num_draft
     adaptive = spec.adaptive if req.adaptive is None else req.adaptive
     if req.params.seed is not None and not req.params.is_greedy:
         # The random stream is consumed per draft, so a replay needs the same k every step.

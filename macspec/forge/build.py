@@ -72,7 +72,9 @@ def _reuse_target(target_dir: Path):
     """The target, tokenizer and MTP head of an earlier forge (the slow 2/3 of the work)."""
     from tokenizers import Tokenizer
 
-    from ..models.loader import load_model, load_mtp_head
+    from ..models.checkpoint import load_mtp_head
+
+    from ..models.loader import load_model
 
     loaded = load_model(str(target_dir), dtype="float32")
     tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))

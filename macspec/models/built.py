@@ -11,33 +11,29 @@ paths.cache_dir()/models/NAME and are plain mlx-lm model dirs.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
-import os
 import re
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import ModelLoadError
 from ..paths import cache_dir
-from ..progress import phase
+from .replicas import REPLICAS, recipe_digest, write_replica
+from .store import STAMP, build, embedded_dir, is_current
+from .widen import widened_config
 
 logger = logging.getLogger(__name__)
 
 BUILT_PREFIX = "built:"
 SOURCE = "tiny-target"  # the embedded model every build starts from
 WIDE_HIDDEN = 1664
-STAMP = "macspec-build.json"  # written last: a dir without it is not a finished build
 BUILD_VERSION = 1  # bump when the written files change, so old caches are rebuilt
 _NAME = re.compile(r"tiny-wide(?:-(\d+))?")
 
 
 def replica_names() -> list[str]:
-    from .replicas import REPLICAS
-
     return list(REPLICAS)
 
 
@@ -46,9 +42,6 @@ def is_replica(name: str) -> bool:
 
 
 def wide_hidden(name: str) -> int:
-    from .loader import embedded_dir
-    from .widen import widened_config
-
     match = _NAME.fullmatch(name)
     if not match:
         raise ModelLoadError(f"no built model {name!r}; built models: tiny-wide (hidden "
@@ -70,8 +63,6 @@ def built_dir(name: str) -> Path:
 
 def _stamp(hidden: int) -> dict:
     # The embedded target's bytes: a re-forged target (a macspec upgrade) invalidates the build.
-    from .loader import embedded_dir
-
     digest = hashlib.sha256()
     for file in sorted(p for p in (embedded_dir() / SOURCE).iterdir() if p.is_file()):
         digest.update(file.name.encode() + file.read_bytes())
@@ -81,21 +72,11 @@ def _stamp(hidden: int) -> dict:
 
 def _replica_stamp(name: str) -> dict:
     # The generator's own source and the tokenizer it copies: editing either rebuilds.
-    from .replicas import recipe_digest
-
     return {"recipe": name, "source": recipe_digest().hex()[:16], "version": BUILD_VERSION}
 
 
 def _stamp_for(name: str) -> dict:
     return _replica_stamp(name) if is_replica(name) else _stamp(wide_hidden(name))
-
-
-def is_current(path: Path, hidden_or_stamp: int | dict) -> bool:
-    stamp = hidden_or_stamp if isinstance(hidden_or_stamp, dict) else _stamp(hidden_or_stamp)
-    try:
-        return json.loads((path / STAMP).read_text()) == stamp
-    except (OSError, ValueError):
-        return False
 
 
 def find_built(name: str) -> Path | None:
@@ -113,74 +94,35 @@ def ensure_built(name: str) -> Path:
                                           what=what)
 
 
-@contextmanager
-def _locked(path: Path):
-    with open(path, "w") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            logger.info("waiting for another process building %s", path.name)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        yield
-
-
 def build_wide(out: Path, hidden: int, force: bool = True, what: str | None = None) -> Path:
     """Write the widened target to `out` atomically: built in a temp dir beside it, then renamed,
     so a concurrent or interrupted build never leaves a half dir at `out`."""
-    out = _build(out, _stamp(hidden), lambda tmp: _write_wide(tmp, hidden), force, what)
+    out = build(out, _stamp(hidden), lambda tmp: _write_wide(tmp, hidden), force, what)
     logger.info("built %s (hidden %d)", out, hidden)
     return out
 
 
 def build_replica(name: str, out: Path, force: bool = True, what: str | None = None) -> Path:
     """Write replica `name` (models/replicas.py) to `out`, atomically as build_wide does."""
-    out = _build(out, _replica_stamp(name), lambda tmp: _write_replica(tmp, name), force, what)
+    out = build(out, _replica_stamp(name), lambda tmp: _write_replica(tmp, name), force, what)
     logger.info("built replica %s in %s", name, out)
     return out
 
 
 def _write_replica(out: Path, name: str) -> None:
-    from .replicas import write_replica
-
     write_replica(name, out)
     (out / STAMP).write_text(json.dumps(_replica_stamp(name), indent=2) + "\n")
-
-
-def _build(out: Path, stamp: dict, write, force: bool, what: str | None) -> Path:
-    out = out.expanduser().resolve()
-    if out.exists() and not (out / STAMP).is_file():
-        raise ModelLoadError(f"{out} exists and is not a macspec build; remove it or choose "
-                             "another directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(out.parent / f".{out.name}.lock"):
-        if not force and is_current(out, stamp):
-            return out  # another process built it while we waited
-        for stale in out.parent.glob(f".{out.name}.tmp-*"):  # left by a killed build
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"  # unique: we hold the lock
-        old = out.parent / f"{tmp.name}-old"
-        tmp.mkdir()
-        try:
-            with phase(what or f"building {out.name}"):
-                write(tmp)
-            if out.exists():
-                out.rename(old)
-            tmp.rename(out)
-        finally:
-            for leftover in (tmp, old):
-                shutil.rmtree(leftover, ignore_errors=True)
-    return out
 
 
 def _write_wide(out: Path, hidden: int) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from .loader import embedded_dir, load_model, load_mtp_head
+    from .checkpoint import load_dir, load_mtp_head
     from .widen import widen_mtp_head, widen_target
 
     source = embedded_dir() / SOURCE
-    target = load_model(str(source), dtype="float32")
+    target = load_dir(source, dtype="float32")
     wide, config = widen_target(target.model, target.config, hidden)
     head = widen_mtp_head(load_mtp_head(target), wide, target.config, config)
     meta = {"format": "mlx"}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..errors import ModelLoadError
 from ..paths import cache_dir
-from .built import STAMP, _build, is_current
+from .store import STAMP, build, is_current
 
 IMPORT_VERSION = 1  # bump when the written files change, so cached imports are redone
 IMPORT_DTYPES = ("keep", "float32", "bfloat16")
@@ -254,7 +254,7 @@ def import_gguf(gguf: Path, out: Path, dtype: str = "keep") -> Path:
     gguf = Path(gguf).expanduser().resolve()
     stamp = {"recipe": "gguf", "source": gguf.name, "size": gguf.stat().st_size, "dtype": dtype,
              "version": IMPORT_VERSION}
-    return _build(Path(out), stamp, lambda tmp: write_model_dir(gguf, tmp, dtype, stamp), True,
+    return build(Path(out), stamp, lambda tmp: write_model_dir(gguf, tmp, dtype, stamp), True,
                   f"importing {gguf.name}")
 
 
@@ -315,6 +315,6 @@ def ensure_imported(gguf: Path) -> Path:
         raise ModelLoadError(f"{gguf}: no such GGUF file")
     dtype = default_import_dtype()
     stamp = _cache_stamp(gguf, dtype)
-    return find_imported(gguf) or _build(
+    return find_imported(gguf) or build(
         imported_dir(gguf, dtype), stamp, lambda tmp: write_model_dir(gguf, tmp, dtype, stamp),
         False, f"importing {gguf.name} (first use)")

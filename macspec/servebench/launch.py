@@ -86,7 +86,7 @@ def float32_copy(src: Path, dst: Path) -> Path:
     must run the same arithmetic as macspec (which computes in float32 there)."""
     import mlx.core as mx
 
-    from ..models.loader import safetensors_header
+    from ..models.store import safetensors_header
 
     if dst.exists():
         return dst

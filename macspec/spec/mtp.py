@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from ..kv.batched import BatchKV, layout_of
 from ..kv.cache import eval_cache, make_trimmable_cache
-from ..models.loader import load_mtp_head
+from ..models.checkpoint import load_mtp_head
 from ..models.mtp import MTPHead
 from ..models.view import ModelView
 from ..monitor.memory import compute_dtype_bytes, kv_bytes_per_token as model_kv_bytes

@@ -1,0 +1,162 @@
+"""Suffix decoding: propose what followed the longest earlier match of the context's suffix, in
+this request's prompt and output and in recent requests' outputs (SuffixDecoding, Oliaro et al.
+2024; `method: suffix` in vLLM). Agents restate what their context holds (a rewritten function,
+a file read back, the same tool-call shape turn after turn), and a match there is near certain.
+
+Each sequence of tokens is indexed by its anchors (the n-grams of ANCHORS sizes, -> the positions
+that end them). A lookup takes the context's last anchor, measures how far back each recent
+occurrence matches (up to MAX_MATCH), keeps the occurrences with the longest match m, and walks
+their continuations like a frequency tree: each next token is the one most of the remaining
+occurrences continue with, and the walk stops when the path's estimated probability falls below
+`min_prob` or at `factor · m` tokens (a long match earns a long draft). Proposals are
+deterministic (q one-hot), verified losslessly like n-gram's. Indexing costs O(new tokens).
+
+The global index (recent outputs, LRU by request) belongs to the engine's proposer group, so a
+request that ends adds its output there; it is bounded by `suffix_cache_requests`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .base import ChainRow, Drafts, ProposerGroup
+
+ANCHORS = (4, 2)  # anchor n-gram sizes, longest first: a 2-gram only when no 4-gram matches
+MAX_MATCH = 48  # how far back a match is measured
+MAX_CANDIDATES = 48  # most recent occurrences of an anchor considered per index
+
+
+def load(runtime, fallback: bool = True) -> None:
+    """Nothing to load: the context and earlier answers are the model."""
+
+
+def make_group(runtime, vocab_size: int) -> "SuffixGroup":
+    spec = runtime.profile.speculative
+    return SuffixGroup(spec.suffix_cache_requests, spec.suffix_factor, spec.suffix_min_prob)
+
+
+def kv_bytes_per_token(runtime) -> int:
+    return 0
+
+
+class SuffixIndex:
+    """One token sequence (growing), indexed by its anchors."""
+
+    def __init__(self, tokens: list[int] | None = None):
+        self.tokens: list[int] = []
+        self.ends: dict[tuple, list[int]] = {}  # anchor -> positions of its last token, in order
+        if tokens:
+            self.extend(tokens)
+
+    def extend(self, new: list[int]) -> None:
+        tokens, ends = self.tokens, self.ends
+        for token in new:
+            tokens.append(token)
+            end = len(tokens) - 1
+            for n in ANCHORS:
+                if end >= n - 1:
+                    ends.setdefault(tuple(tokens[end - n + 1:end + 1]), []).append(end)
+
+    def occurrences(self, context: list[int], skip_last: bool) -> list[tuple[int, int]]:
+        """(match length, position after the match) for recent occurrences of the context's
+        suffix; `skip_last`: the context is this very sequence (its own end is no match)."""
+        for n in ANCHORS:
+            if len(context) < n:
+                continue
+            ends = self.ends.get(tuple(context[-n:]))
+            if not ends:
+                continue
+            found = []
+            for end in reversed(ends[-MAX_CANDIDATES - 1:]):
+                if skip_last and end == len(self.tokens) - 1:
+                    continue
+                if end + 1 < len(self.tokens):  # something follows it
+                    found.append((_match_length(self.tokens, end, context, n), end + 1))
+            if found:
+                return found[:MAX_CANDIDATES]
+        return []
+
+
+def _match_length(tokens: list[int], end: int, context: list[int], known: int) -> int:
+    """How many tokens before and at `end` equal the context's last ones (at least `known`)."""
+    length = known
+    limit = min(MAX_MATCH, end + 1, len(context))
+    while length < limit and tokens[end - length] == context[-1 - length]:
+        length += 1
+    return length
+
+
+def walk(candidates: list[tuple[list[int], int]], match: int, k: int, factor: float,
+         min_prob: float) -> list[int]:
+    """The most frequent continuation of (tokens, start) candidates, as a frequency tree walk."""
+    limit = min(k, max(1, int(factor * match)))
+    draft: list[int] = []
+    prob = 1.0
+    while candidates and len(draft) < limit:
+        counts: dict[int, int] = {}
+        for tokens, at in candidates:
+            if at < len(tokens):
+                counts[tokens[at]] = counts.get(tokens[at], 0) + 1
+        if not counts:
+            break
+        token, count = max(counts.items(), key=lambda item: item[1])  # a tie: the most recent
+        prob *= count / len(candidates)
+        if prob < min_prob:
+            break
+        draft.append(token)
+        candidates = [(tokens, at + 1) for tokens, at in candidates if at < len(tokens) and tokens[at] == token]
+    return draft
+
+
+class SuffixGroup(ProposerGroup):
+    method = "suffix"
+
+    def __init__(self, cache_requests: int = 64, factor: float = 1.0, min_prob: float = 0.1):
+        self.rows: dict[int, SuffixIndex] = {}  # request -> its prompt and output
+        self.prompt_lengths: dict[int, int] = {}
+        self.recent: OrderedDict[int, SuffixIndex] = OrderedDict()  # request -> its output
+        self.cache_requests = cache_requests
+        self.factor = factor
+        self.min_prob = min_prob
+
+    @property
+    def keys(self) -> list[int]:
+        return list(self.rows)
+
+    def join(self, key, committed, prompt_hidden, hidden_start=0) -> None:
+        self.rows[key] = SuffixIndex(committed)
+        self.prompt_lengths[key] = len(committed) - 1  # the first token is output already
+
+    def leave(self, key: int) -> None:
+        """Its output joins the recent outputs other requests draft from."""
+        index = self.rows.pop(key, None)
+        start = self.prompt_lengths.pop(key, 0)
+        if index is None or not self.cache_requests or len(index.tokens) - start < 2:
+            return
+        self.recent[key] = SuffixIndex(index.tokens[start:])
+        while len(self.recent) > self.cache_requests:
+            self.recent.popitem(last=False)
+
+    def propose(self, rows: list[ChainRow]) -> dict[int, Drafts]:
+        out = {}
+        for row in rows:
+            index = self.rows[row.key]
+            index.extend(row.committed[len(index.tokens):])
+            if row.k:
+                tokens = self.lookup(index, row.committed, row.k)
+                if tokens:
+                    out[row.key] = Drafts(tokens)
+        return out
+
+    def lookup(self, own: SuffixIndex, context: list[int], k: int) -> list[int]:
+        """The draft for `context` from its own index and the recent outputs."""
+        found = [(m, own.tokens, at) for m, at in own.occurrences(context, skip_last=True)]
+        for index in reversed(self.recent.values()):  # the most recent outputs first
+            if len(found) >= MAX_CANDIDATES:
+                break
+            found += [(m, index.tokens, at) for m, at in index.occurrences(context, skip_last=False)]
+        if not found:
+            return []
+        best = max(m for m, _, _ in found)
+        candidates = [(tokens, at) for m, tokens, at in found if m == best]
+        return walk(candidates, best, k, self.factor, self.min_prob)
