@@ -33,13 +33,17 @@ class EngineCollector:
                                        labels=["method"])
         per_forward = GaugeMetricFamily("macspec_spec_tokens_per_forward",
                                         "Committed tokens per target forward", labels=["method"])
+        draft_length = GaugeMetricFamily("macspec_spec_mean_draft_length",
+                                         "Draft tokens per speculative step", labels=["method"])
         for method, spec in status["speculation"].items():
             drafted.add_metric([method], spec["drafted"])
             accepted.add_metric([method], spec["accepted"])
             per_forward.add_metric([method], spec["tokens_per_forward"])
+            draft_length.add_metric([method], spec["mean_draft_length"])
         yield drafted
         yield accepted
         yield per_forward
+        yield draft_length
         states = GaugeMetricFamily("macspec_spec_rows", "Running requests by speculation state",
                                    labels=["state"])
         for state in ("on", "held", "off", "probing"):

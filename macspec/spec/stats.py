@@ -44,6 +44,11 @@ class SpecStats:
     def mean_k(self) -> float:
         return self.num_drafted / self.num_steps if self.num_steps else 0.0
 
+    @property
+    def mean_draft_length(self) -> float:
+        """Drafts per step that drafted at all (a suffix proposer's length follows its match)."""
+        return self.num_drafted / self.num_spec_steps if self.num_spec_steps else 0.0
+
     def acceptance_by_position(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
 
@@ -57,5 +62,6 @@ class SpecStats:
             "acceptance_by_position": [round(a, 4) for a in self.acceptance_by_position()],
             "tokens_per_forward": round(self.tokens_per_forward, 4),
             "mean_k": round(self.mean_k, 3),
+            "mean_draft_length": round(self.mean_draft_length, 3),
             "k_histogram": {str(k): v for k, v in sorted(self.k_histogram.items())},
         }
