@@ -99,41 +99,56 @@ def run(prompt, profile, as_json, log_level, **flags):
 API_KEY_ENV = "MACSPEC_API_KEY"
 
 
+# serve's flags that override a profile key: the options, the overrides and the re-run of a
+# --detach server are all made from this one table (flag, profile key, type, help).
+SERVE_OVERRIDES = (
+    ("--host", "server.host", None, "Bind address (default: the profile's, 127.0.0.1)."),
+    ("--port", "server.port", click.IntRange(0, 65535), "Port (0 = any free port)."),
+    ("--max-batch", "server.max_batch", click.IntRange(1, 256), "Requests decoded together."),
+    ("--max-queue", "server.max_queue", click.IntRange(1), "Waiting requests before 429."),
+    ("--method", "speculative.method", click.Choice(proposers.METHODS),
+     f"Default proposer ({proposers.summary()})."),
+    ("--num-draft", "speculative.num_draft_tokens", click.IntRange(1, 32), "Default max draft tokens per step."),
+)
+
+
+def _param(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def serve_override_options(fn):
+    for flag, _, kind, text in reversed(SERVE_OVERRIDES):
+        fn = click.option(flag, type=kind, help=text)(fn)
+    return fn
+
+
 @main.command()
 @profile_option
-@click.option("--host", help="Bind address (default: the profile's, 127.0.0.1).")
-@click.option("--port", type=click.IntRange(0, 65535), help="Port (0 = any free port).")
+@serve_override_options
 @click.option("--name", help="A name for this server, for `macspec status/stop --name`.")
 @click.option("--api-key", envvar=API_KEY_ENV, help="Require this Bearer key; prefer setting "
               "$MACSPEC_API_KEY (or the env var named by server.api_key_env): `ps` shows flags.")
-@click.option("--max-batch", type=click.IntRange(1, 256), help="Requests decoded together.")
-@click.option("--max-queue", type=click.IntRange(1), help="Waiting requests before 429.")
-@click.option("--method", type=click.Choice(proposers.METHODS), help=f"Default proposer ({proposers.summary()}).")
-@click.option("--num-draft", type=click.IntRange(1, 32), help="Default max draft tokens per step.")
 @click.option("--detach", is_flag=True, help="Run in the background; see `macspec status`, `macspec stop`.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
 @click.option("--daemon-log", hidden=True, help="Set by --detach: this process is that server.")
 @click.option("--workdir", hidden=True, help="Set by --detach: the user's working directory.")
 @click.pass_context
-def serve(ctx, profile, host, port, name, api_key, max_batch, max_queue, method, num_draft, detach,
-          log_level, daemon_log, workdir):
+def serve(ctx, profile, name, api_key, detach, log_level, daemon_log, workdir, **flags):
     """Serve the profile's model over an OpenAI- and Anthropic-compatible HTTP API."""
     import os
     from pathlib import Path
 
     from .server import daemon
+    from .server.hosts import is_loopback
 
     if workdir:  # a detached server started in the state dir; relative paths are the user's
         os.chdir(workdir)
     setup_logging(log_level)
     daemon.check_name(name)
     prof = load_profile(profile)
-    overrides = {"server.host": host, "server.port": port, "server.max_batch": max_batch,
-                 "server.max_queue": max_queue, "speculative.method": method,
-                 "speculative.num_draft_tokens": num_draft}
-    for key, value in overrides.items():
-        if value is not None:
-            prof.override(key, value, "--" + key.split(".")[1].replace("_", "-"))
+    for flag, key, _, _ in SERVE_OVERRIDES:
+        if flags[_param(flag)] is not None:
+            prof.override(key, flags[_param(flag)], flag)
     api_key = _serve_api_key(ctx, api_key, prof.server.api_key_env)
     host, port = prof.server.host, prof.server.port
     daemon.check_address(host, port)
@@ -141,18 +156,16 @@ def serve(ctx, profile, host, port, name, api_key, max_batch, max_queue, method,
         logger.warning("--api-key on the command line is visible to every user in `ps` (and stays "
                        "in your shell history); prefer the %s environment variable, or name "
                        "another one in the profile's server.api_key_env", API_KEY_ENV)
-    if not api_key and not daemon.is_loopback(host):
+    if not api_key and not is_loopback(host):
         logger.warning("serving on %s with NO API key: anyone who can reach this machine can use "
                        "the model. Set a key: export %s=<secret> (or name an env var in the "
                        "profile's server.api_key_env) and start again; clients send "
                        "`Authorization: Bearer <secret>`", host, API_KEY_ENV)
     if detach:
-        given = {"--host": host, "--port": port, "--name": name, "--max-batch": max_batch,
-                 "--max-queue": max_queue, "--method": method, "--num-draft": num_draft}
-        argv = ["--profile", profile, "--log-level", log_level]
-        for flag, value in given.items():
-            if value is not None:
-                argv += [flag, str(value)]
+        argv = ["--profile", profile, "--log-level", log_level] + (["--name", name] if name else [])
+        for flag, _, _, _ in SERVE_OVERRIDES:
+            if flags[_param(flag)] is not None:
+                argv += [flag, str(flags[_param(flag)])]
         record = daemon.serve_detached(argv, api_key, host, port, name)
         click.echo(f"macspec serving in the background: {daemon.describe(record)}")
         return

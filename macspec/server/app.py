@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import json
 import logging
 import signal
@@ -20,6 +19,7 @@ from ..config import Profile
 from ..engine.service import EngineService
 from ..errors import MacspecError
 from . import anthropic_api, openai_api, responses_api
+from .hosts import is_loopback
 from .metrics import metrics_text
 from .state import REQUEST_ID, STARTED, STATE, USAGE, ServerState, error_body
 
@@ -107,16 +107,6 @@ def _host_name(value: str) -> str:
     if sep and port.isdigit():
         value = name
     return value.rstrip(".") or value
-
-
-def is_loopback(host: str) -> bool:
-    name = host.strip().strip("[]").lower().rstrip(".")
-    if name == "localhost" or name.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
 
 
 def allowed_host_names(bind_host: str, extra: list[str]) -> frozenset[str] | None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import ipaddress
 import json
 import logging
 import os
@@ -175,15 +174,6 @@ def _url_host(host: str) -> str:
 
 
 # ---- the address --------------------------------------------------------------------------
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def check_address(host: str, port: int) -> None:
     """Refuse, before any model is loaded, an address this server could not listen on."""
     where = f"{_url_host(host)}:{port}"
