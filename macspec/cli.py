@@ -76,7 +76,7 @@ def main():
 @click.option("--min-p", type=click.FloatRange(0, 1), help="Drop tokens below min_p * p_max.")
 @click.option("--repetition-penalty", type=click.FloatRange(0, 10, min_open=True), help="1 = off.")
 @click.option("--seed", type=click.IntRange(min=0), help="Sampling seed.")
-@click.option("--method", type=click.Choice(proposers.METHODS), help=f"Proposer ({proposers.summary()}).")
+@click.option("--method", type=click.Choice(proposers.METHODS), help=f"Proposer: {proposers.summary()}.")
 @click.option("--num-draft", type=click.IntRange(1, 32), help="Max draft tokens per step (k).")
 @click.option("--adaptive/--fixed-k", default=None, help="Choose k from measurements, or always k.")
 @click.option("--chat/--raw", default=None, help="Apply the chat template (default: the profile's).")
@@ -107,7 +107,7 @@ SERVE_OVERRIDES = (
     ("--max-batch", "server.max_batch", click.IntRange(1, 256), "Requests decoded together."),
     ("--max-queue", "server.max_queue", click.IntRange(1), "Waiting requests before 429."),
     ("--method", "speculative.method", click.Choice(proposers.METHODS),
-     f"Default proposer ({proposers.summary()})."),
+     f"Default proposer: {proposers.summary()}."),
     ("--num-draft", "speculative.num_draft_tokens", click.IntRange(1, 32), "Default max draft tokens per step."),
 )
 

@@ -1,10 +1,11 @@
 """The proposers, one line each: config validation, the CLI, the engine, the priors file,
 /v1/status, the docs and the tests all read this table.
 
-A proposer is a module under `spec/` (named here) that defines
-- `load(runtime, fallback)`: load what it needs beside the target (its model), once;
-- `make_group(runtime, vocab_size)`: a fresh `ProposerGroup` for every row of its method;
-- `kv_bytes_per_token(runtime)`: the KV its own cache holds per token (0 when it has none).
+A proposer is a module under `spec/` (named here) that defines, each given the method's name
+(one module may serve several lines: spec/hybrid.py serves mtp+suffix and draft+suffix)
+- `load(runtime, method, fallback)`: load what it needs beside the target (its model), once;
+- `make_group(runtime, method, vocab_size)`: a fresh `ProposerGroup` for every row of its method;
+- `kv_bytes_per_token(runtime, method)`: the KV its own cache holds per token (0 when none).
 Plain importing this table loads no MLX, so a bad profile is reported before MLX starts.
 """
 
@@ -34,6 +35,10 @@ PROPOSERS = (
     Proposer("ngram", "ngram", "prompt lookup over the context; no extra model"),
     Proposer("suffix", "suffix", "the longest match in the context and recent answers; no extra model "
              "(agents: edits, tool loops, extraction)", max_draft_key="suffix_max_tokens"),
+    Proposer("mtp+suffix", "hybrid", "per row and step, the MTP head's or the suffix's draft, whichever "
+             "should be accepted further", max_draft_key="suffix_max_tokens"),
+    Proposer("draft+suffix", "hybrid", "the same with the draft model", model_key="draft_model",
+             max_draft_key="suffix_max_tokens"),
 )
 PLAIN = "none"  # no proposer: plain decoding
 PROPOSER_NAMES = tuple(p.name for p in PROPOSERS)
@@ -60,5 +65,5 @@ def max_draft(method: str, speculative) -> int:
 
 
 def summary() -> str:
-    """One line per method, for help texts."""
-    return "; ".join(f"{p.name}: {p.help}" for p in PROPOSERS) + f"; {PLAIN}: plain decoding"
+    """The methods, for help texts (README "Which proposer" says when to use which)."""
+    return ", ".join(METHODS) + f" ({PLAIN}: plain decoding)"

@@ -49,12 +49,8 @@ def make_runtime(dirs, method: str) -> Runtime:
     profile.model.path = str(dirs["target"])
     profile.speculative.method = method
     target = load_model(str(dirs["target"]))
-    runtime = Runtime(profile, target, method)
-    if method == "draft":
-        runtime.draft = load_model(str(dirs["draft"]))
-    if method == "mtp":
-        runtime.mtp_head = load_mtp_head(target)
-    return runtime
+    # Both proposer models, whichever the method uses (a hybrid pairs one with suffix decoding).
+    return Runtime(profile, target, method, draft=load_model(str(dirs["draft"])), mtp_head=load_mtp_head(target))
 
 
 def exact_joint(runtime: Runtime, params: SamplingParams, allowed=None) -> np.ndarray:

@@ -43,14 +43,14 @@ class Runtime:
 
     def make_group(self, method: str, vocab_size: int) -> ProposerGroup:
         """A fresh proposer for every row of `method` (the engine holds one per method)."""
-        return proposers.implementation(method).make_group(self, vocab_size)
+        return proposers.implementation(method).make_group(self, method, vocab_size)
 
     def kv_bytes_per_token(self, method: str, tp: int = 1) -> int:
         """KV bytes per token on one rank: the target's shard plus the proposer's own cache."""
         target = kv_bytes_per_token(self.target.config, compute_dtype_bytes(self.target.model), tp=tp)
         if method == proposers.PLAIN:
             return target
-        return target + proposers.implementation(method).kv_bytes_per_token(self)
+        return target + proposers.implementation(method).kv_bytes_per_token(self, method)
 
     def ensure_method(self, method: str) -> None:
         """Load what `method` needs when a request asks for one the profile did not load."""
@@ -61,7 +61,7 @@ class Runtime:
         if method == proposers.PLAIN:
             return
         try:
-            proposers.implementation(method).load(self, fallback=False)
+            proposers.implementation(method).load(self, method, fallback=False)
         except MacspecError as err:
             self.unavailable[method] = f"speculative method {method!r} is unavailable: {err}"
             raise RequestError(self.unavailable[method]) from err
@@ -79,6 +79,6 @@ class Runtime:
                 target.hidden_is_final = ModelView(target.model).hidden_is_final()
         runtime = cls(profile, target, profile.speculative.method)
         if runtime.method != proposers.PLAIN:
-            proposers.implementation(runtime.method).load(runtime)
+            proposers.implementation(runtime.method).load(runtime, runtime.method)
         logger.info("loaded %s (method %s)", target.path, runtime.method)
         return runtime

@@ -20,7 +20,7 @@ from .base import ChainGroup, ChainRow, pad_rows
 logger = logging.getLogger(__name__)
 
 
-def load(runtime, fallback: bool = True) -> None:
+def load(runtime, method: str, fallback: bool = True) -> None:
     """The draft model, checked against the target's tokenizer. An incompatible one at start,
     with speculative.allow_fallback, turns the profile's method to n-gram proposals instead."""
     if runtime.draft is not None:
@@ -42,11 +42,11 @@ def load(runtime, fallback: bool = True) -> None:
     runtime.draft = draft
 
 
-def make_group(runtime, vocab_size: int) -> "DraftGroup":
+def make_group(runtime, method: str, vocab_size: int) -> "DraftGroup":
     return DraftGroup(runtime.draft.model, vocab_size, runtime.profile.kv.prefill_chunk)
 
 
-def kv_bytes_per_token(runtime) -> int:
+def kv_bytes_per_token(runtime, method: str) -> int:
     draft = runtime.draft
     return model_kv_bytes(draft.config, compute_dtype_bytes(draft.model)) if draft is not None else 0
 

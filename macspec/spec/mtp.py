@@ -22,18 +22,18 @@ from .base import ChainGroup, ChainRow, pad_rows
 MAX_PENDING_ROWS = 2048  # hidden rows buffered per row while its group does not draft
 
 
-def load(runtime, fallback: bool = True) -> None:
+def load(runtime, method: str, fallback: bool = True) -> None:
     """The head from the target's checkpoint (its MTP layer)."""
     if runtime.mtp_head is None:
         with phase("loading the MTP head"):
             runtime.mtp_head = load_mtp_head(runtime.target)
 
 
-def make_group(runtime, vocab_size: int) -> "MTPGroup":
+def make_group(runtime, method: str, vocab_size: int) -> "MTPGroup":
     return MTPGroup(runtime.mtp_head, runtime.view, vocab_size)
 
 
-def kv_bytes_per_token(runtime) -> int:
+def kv_bytes_per_token(runtime, method: str) -> int:
     """One decoder layer of the target's shape (the head's block)."""
     target = runtime.target
     return model_kv_bytes(target.config, compute_dtype_bytes(target.model), layers=1)

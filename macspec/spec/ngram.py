@@ -5,16 +5,16 @@ from __future__ import annotations
 from .base import ChainRow, Drafts, ProposerGroup
 
 
-def load(runtime, fallback: bool = True) -> None:
+def load(runtime, method: str, fallback: bool = True) -> None:
     """Nothing to load: the context is the model."""
 
 
-def make_group(runtime, vocab_size: int) -> "NgramGroup":
+def make_group(runtime, method: str, vocab_size: int) -> "NgramGroup":
     spec = runtime.profile.speculative
     return NgramGroup(spec.ngram_max, spec.ngram_min)
 
 
-def kv_bytes_per_token(runtime) -> int:
+def kv_bytes_per_token(runtime, method: str) -> int:
     return 0
 
 

@@ -24,18 +24,19 @@ from .base import ChainRow, Drafts, ProposerGroup
 ANCHORS = (4, 2)  # anchor n-gram sizes, longest first: a 2-gram only when no 4-gram matches
 MAX_MATCH = 48  # how far back a match is measured
 MAX_CANDIDATES = 48  # most recent occurrences of an anchor considered per index
+PROMPT_TAIL = 16  # prompt tokens kept before a recent answer
 
 
-def load(runtime, fallback: bool = True) -> None:
+def load(runtime, method: str, fallback: bool = True) -> None:
     """Nothing to load: the context and earlier answers are the model."""
 
 
-def make_group(runtime, vocab_size: int) -> "SuffixGroup":
+def make_group(runtime, method: str, vocab_size: int) -> "SuffixGroup":
     spec = runtime.profile.speculative
     return SuffixGroup(spec.suffix_cache_requests, spec.suffix_factor, spec.suffix_min_prob)
 
 
-def kv_bytes_per_token(runtime) -> int:
+def kv_bytes_per_token(runtime, method: str) -> int:
     return 0
 
 
@@ -89,8 +90,16 @@ def _match_length(tokens: list[int], end: int, context: list[int], known: int) -
 def walk(candidates: list[tuple[list[int], int]], match: int, k: int, factor: float,
          min_prob: float) -> list[int]:
     """The most frequent continuation of (tokens, start) candidates, as a frequency tree walk."""
+    return scored_walk(candidates, match, k, factor, min_prob)[0]
+
+
+def scored_walk(candidates: list[tuple[list[int], int]], match: int, k: int, factor: float,
+                min_prob: float) -> tuple[list[int], list[float]]:
+    """walk(), with each drafted token's estimated path probability (the share of candidates
+    that agree on every token so far)."""
     limit = min(k, max(1, int(factor * match)))
     draft: list[int] = []
+    probs: list[float] = []
     prob = 1.0
     while candidates and len(draft) < limit:
         counts: dict[int, int] = {}
@@ -104,8 +113,9 @@ def walk(candidates: list[tuple[list[int], int]], match: int, k: int, factor: fl
         if prob < min_prob:
             break
         draft.append(token)
+        probs.append(prob)
         candidates = [(tokens, at + 1) for tokens, at in candidates if at < len(tokens) and tokens[at] == token]
-    return draft
+    return draft, probs
 
 
 class SuffixGroup(ProposerGroup):
@@ -128,35 +138,38 @@ class SuffixGroup(ProposerGroup):
         self.prompt_lengths[key] = len(committed) - 1  # the first token is output already
 
     def leave(self, key: int) -> None:
-        """Its output joins the recent outputs other requests draft from."""
+        """Its output joins the recent answers other requests draft from, behind the end of its
+        prompt (a new request's first draft matches across its own prompt's end)."""
         index = self.rows.pop(key, None)
         start = self.prompt_lengths.pop(key, 0)
         if index is None or not self.cache_requests or len(index.tokens) - start < 2:
             return
-        self.recent[key] = SuffixIndex(index.tokens[start:])
+        self.recent[key] = SuffixIndex(index.tokens[max(0, start - PROMPT_TAIL):])
         while len(self.recent) > self.cache_requests:
             self.recent.popitem(last=False)
 
     def propose(self, rows: list[ChainRow]) -> dict[int, Drafts]:
         out = {}
         for row in rows:
-            index = self.rows[row.key]
-            index.extend(row.committed[len(index.tokens):])
-            if row.k:
-                tokens = self.lookup(index, row.committed, row.k)
-                if tokens:
-                    out[row.key] = Drafts(tokens)
+            tokens = self.suggest(row.key, row.committed, row.k)[0]
+            if tokens:
+                out[row.key] = Drafts(tokens)
         return out
 
-    def lookup(self, own: SuffixIndex, context: list[int], k: int) -> list[int]:
-        """The draft for `context` from its own index and the recent outputs."""
-        found = [(m, own.tokens, at) for m, at in own.occurrences(context, skip_last=True)]
-        for index in reversed(self.recent.values()):  # the most recent outputs first
+    def suggest(self, key: int, committed: list[int], k: int) -> tuple[list[int], list[float]]:
+        """(draft, each token's path probability) for row `key`, whose tokens are `committed`
+        (indexed first: the index follows the row even when it does not draft)."""
+        index = self.rows[key]
+        index.extend(committed[len(index.tokens):])
+        if not k:
+            return [], []
+        found = [(m, index.tokens, at) for m, at in index.occurrences(committed, skip_last=True)]
+        for recent in reversed(self.recent.values()):  # the most recent answers first
             if len(found) >= MAX_CANDIDATES:
                 break
-            found += [(m, index.tokens, at) for m, at in index.occurrences(context, skip_last=False)]
+            found += [(m, recent.tokens, at) for m, at in recent.occurrences(committed, skip_last=False)]
         if not found:
-            return []
+            return [], []
         best = max(m for m, _, _ in found)
         candidates = [(tokens, at) for m, tokens, at in found if m == best]
-        return walk(candidates, best, k, self.factor, self.min_prob)
+        return scored_walk(candidates, best, k, self.factor, self.min_prob)
