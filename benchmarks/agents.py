@@ -8,11 +8,11 @@ an agent restating code must be free to repeat it):
   json   a short document; the answer restates its fields as JSON
   chat   plain questions (the control: nothing to copy)
 
-Per workload and method (none, ngram, suffix, mtp), the same requests at c = 1 (one at a time)
+Per workload and method (none, ngram, suffix, mtp, mtp+suffix), the same requests at c = 1 (one at a time)
 and c = 4 (batched): tokens per target forward, acceptance, mean draft length, tok/s, and
 tok/s ÷ none measured in the same run.
 
-    python benchmarks/agents.py [--methods none,ngram,suffix,mtp] [--concurrency 1,4] [--max-tokens 160]
+    python benchmarks/agents.py [--methods none,ngram,suffix,mtp,mtp+suffix] [--concurrency 1,4] [--max-tokens 160]
 """
 
 from __future__ import annotations
@@ -101,8 +101,9 @@ def run(engine, prompts, method, concurrency, max_tokens):
     done, t0 = [], time.perf_counter()
     for start in range(0, len(prompts), concurrency):
         batch = prompts[start:start + concurrency]
-        # MTP at its measured best for this model (fixed k = 1, profile smollm2); the others adaptive.
-        options = {"num_draft": 1, "adaptive": False} if method == "mtp" else {}
+        # MTP at its measured best for this model (fixed k = 1, the smollm2 profile's); n-gram up
+        # to 4; suffix and the hybrid up to suffix_max_tokens (their model part up to k = 1).
+        options = {"mtp": {"num_draft": 1, "adaptive": False}, "ngram": {"num_draft": 4}}.get(method, {})
         done += engine.generate(batch, SamplingParams(), max_tokens, method=method, **options)
     seconds = time.perf_counter() - t0
     for c in done:
@@ -120,7 +121,7 @@ def run(engine, prompts, method, concurrency, max_tokens):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", default="none,ngram,suffix,mtp")
+    ap.add_argument("--methods", default="none,ngram,suffix,mtp,mtp+suffix")
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--workloads", default="edit,tools,json,chat")
@@ -132,15 +133,15 @@ def main(argv=None) -> None:
 
     profile = load_profile("smollm2")
     profile.sampling.repetition_penalty = 1.0
-    profile.speculative.num_draft_tokens, profile.speculative.adaptive = 4, True
+    profile.speculative.adaptive = True
     runtime = Runtime.load(profile)
     levels = [int(c) for c in args.concurrency.split(",")]
     engine = calibrated_engine(runtime, max_batch=max(levels))
     prompts = workloads(runtime.tokenizer)
     methods = args.methods.split(",")
     print(f"BLAS {blas_info().name}; SmolLM2 float32 through the engine, greedy, {args.max_tokens} tokens, "
-          f"adaptive k (suffix up to {profile.speculative.suffix_max_tokens}, ngram up to "
-          f"{profile.speculative.num_draft_tokens}; mtp fixed k = 1, its measured best)")
+          f"adaptive k (suffix and mtp+suffix up to {profile.speculative.suffix_max_tokens}, ngram up to 4; "
+          "mtp fixed k = 1, its measured best)")
     print("| workload | c | method | tok/s | ÷ none | tokens/forward | acceptance | mean draft | same text |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---|")
     for name in args.workloads.split(","):

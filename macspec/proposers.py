@@ -27,6 +27,8 @@ class Proposer:
     # The profile key holding its longest draft, when not speculative.num_draft_tokens (a
     # proposer whose drafts are often right for many tokens at once).
     max_draft_key: str | None = None
+    # A composite's parts, the model proposer first (a hybrid drafts with one of them per step).
+    parts: tuple[str, ...] = ()
 
 
 PROPOSERS = (
@@ -36,12 +38,13 @@ PROPOSERS = (
     Proposer("suffix", "suffix", "the longest match in the context and recent answers; no extra model "
              "(agents: edits, tool loops, extraction)", max_draft_key="suffix_max_tokens"),
     Proposer("mtp+suffix", "hybrid", "per row and step, the MTP head's or the suffix's draft, whichever "
-             "should be accepted further", max_draft_key="suffix_max_tokens"),
+             "should be accepted further", max_draft_key="suffix_max_tokens", parts=("mtp", "suffix")),
     Proposer("draft+suffix", "hybrid", "the same with the draft model", model_key="draft_model",
-             max_draft_key="suffix_max_tokens"),
+             max_draft_key="suffix_max_tokens", parts=("draft", "suffix")),
 )
 PLAIN = "none"  # no proposer: plain decoding
 PROPOSER_NAMES = tuple(p.name for p in PROPOSERS)
+SINGLE_NAMES = tuple(p.name for p in PROPOSERS if not p.parts)  # the composites' building blocks
 METHODS = PROPOSER_NAMES + (PLAIN,)
 BY_NAME = {p.name: p for p in PROPOSERS}
 

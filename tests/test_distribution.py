@@ -15,7 +15,7 @@ from macspec.grammar import GrammarCompiler
 from macspec.sampling import RowContext, SamplingParams, processed_logprobs
 from macspec.models.checkpoint import load_mtp_head
 from macspec.models.loader import load_model
-from macspec.proposers import PROPOSER_NAMES
+from macspec.proposers import PROPOSER_NAMES, SINGLE_NAMES
 
 from .conftest import engine_for
 from .modeldirs import (build_model, random_mtp_head, save_model, tiny_llama_config,
@@ -89,8 +89,13 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("config,batch", [("t1", 1), ("processed", 1), ("processed", 4)])
-@pytest.mark.parametrize("method", PROPOSER_NAMES)
+# Every single proposer in each regime; a composite (its parts are covered) in the hardest one:
+# batched, with penalties and filters.
+CASES = [(m, c, b) for m in SINGLE_NAMES for c, b in (("t1", 1), ("processed", 1), ("processed", 4))] + \
+        [(m, "processed", 4) for m in PROPOSER_NAMES if m not in SINGLE_NAMES]
+
+
+@pytest.mark.parametrize("method,config,batch", CASES)
 def test_speculative_sampling_matches_target_distribution(tiny_vocab_dirs, method, config, batch):
     """Through the engine `serve` uses, alone and with `batch` requests sharing each step."""
     runtime = make_runtime(tiny_vocab_dirs, method)

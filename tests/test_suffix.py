@@ -93,3 +93,18 @@ def test_an_answer_given_before_is_drafted_whole_from_recent_answers_losslessly(
     stats = second.stats["spec"]
     assert stats["accepted"] >= 48 and second.stats["tokens_per_forward"] > 4.0, second.stats
     assert stats["mean_draft_length"] > 8, stats
+
+
+def test_a_seeded_sampling_request_drafts_from_its_own_context_only():
+    """Its drafts decide its sample, so they must not depend on other requests: it replays."""
+    group = SuffixGroup()
+    answer = list(range(300, 340))
+    group.join(1, [9, 9, 9], None)
+    _propose(group, 1, [9, 9, 9] + answer, 0)
+    group.leave(1)
+    context = [4, 4] + answer[:12]
+    group.join(2, context, None)
+    seeded = SamplingParams(temperature=0.7, seed=5)
+    rows = [ChainRow(2, RowContext(seeded, context), 16, Rng(5))]
+    assert group.propose(rows) == {}
+    assert _propose(group, 2, context, 16) == answer[12:24]  # greedy (or unseeded): lossless anyway

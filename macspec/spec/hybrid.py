@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from .. import proposers
 from .base import ChainRow, Drafts, ProposerGroup
-from .suffix import SuffixGroup, make_group as make_suffix_group
+from .suffix import SuffixGroup, make_group as make_suffix_group, with_recent
 
 EWMA = 0.2
 MODEL_ALPHA_PRIOR = 0.6  # until measured on the row
@@ -25,7 +25,7 @@ SUFFIX_TRUST_PRIOR = 0.9  # path-probability estimates hold this well until meas
 
 
 def _model_method(method: str) -> str:
-    return method.split("+", 1)[0]
+    return proposers.BY_NAME[method].parts[0]
 
 
 def load(runtime, method: str, fallback: bool = True) -> None:
@@ -36,7 +36,8 @@ def load(runtime, method: str, fallback: bool = True) -> None:
 def make_group(runtime, method: str, vocab_size: int) -> "HybridGroup":
     model = _model_method(method)
     return HybridGroup(method, proposers.implementation(model).make_group(runtime, model, vocab_size),
-                       make_suffix_group(runtime, "suffix", vocab_size), runtime.profile.speculative.num_draft_tokens)
+                       make_suffix_group(runtime, proposers.BY_NAME[method].parts[1], vocab_size),
+                       runtime.profile.speculative.num_draft_tokens)
 
 
 def kv_bytes_per_token(runtime, method: str) -> int:
@@ -89,7 +90,7 @@ class HybridGroup(ProposerGroup):
         for row in rows:
             choice = self.choices[row.key]
             choice.used, choice.drafted = "", 0
-            tokens, probs = self.suffix.suggest(row.key, row.committed, row.k)
+            tokens, probs = self.suffix.suggest(row.key, row.committed, row.k, with_recent(row))
             model_k = min(row.k, self.model_k_max)
             suffix_gain = choice.suffix_trust * sum(probs)
             model_gain = sum(choice.model_alpha ** j for j in range(1, model_k + 1))

@@ -118,6 +118,12 @@ def scored_walk(candidates: list[tuple[list[int], int]], match: int, k: int, fac
     return draft, probs
 
 
+def with_recent(row: ChainRow) -> bool:
+    """A seeded sampling request replays exactly only if its drafts do (rejection sampling's
+    outcome depends on them): its drafts come from its own context, never from other requests'."""
+    return row.params.seed is None or row.params.is_greedy
+
+
 class SuffixGroup(ProposerGroup):
     method = "suffix"
 
@@ -151,23 +157,24 @@ class SuffixGroup(ProposerGroup):
     def propose(self, rows: list[ChainRow]) -> dict[int, Drafts]:
         out = {}
         for row in rows:
-            tokens = self.suggest(row.key, row.committed, row.k)[0]
+            tokens = self.suggest(row.key, row.committed, row.k, with_recent(row))[0]
             if tokens:
                 out[row.key] = Drafts(tokens)
         return out
 
-    def suggest(self, key: int, committed: list[int], k: int) -> tuple[list[int], list[float]]:
+    def suggest(self, key: int, committed: list[int], k: int, recent: bool = True) -> tuple[list[int], list[float]]:
         """(draft, each token's path probability) for row `key`, whose tokens are `committed`
-        (indexed first: the index follows the row even when it does not draft)."""
+        (indexed first: the index follows the row even when it does not draft); `recent`: draft
+        from recent answers too."""
         index = self.rows[key]
         index.extend(committed[len(index.tokens):])
         if not k:
             return [], []
         found = [(m, index.tokens, at) for m, at in index.occurrences(committed, skip_last=True)]
-        for recent in reversed(self.recent.values()):  # the most recent answers first
+        for answer in reversed(self.recent.values()) if recent else ():  # the most recent first
             if len(found) >= MAX_CANDIDATES:
                 break
-            found += [(m, recent.tokens, at) for m, at in recent.occurrences(committed, skip_last=False)]
+            found += [(m, answer.tokens, at) for m, at in answer.occurrences(committed, skip_last=False)]
         if not found:
             return [], []
         best = max(m for m, _, _ in found)
