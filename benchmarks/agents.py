@@ -9,7 +9,8 @@ an agent restating code must be free to repeat it):
   chat   plain questions (the control: nothing to copy)
 
 Per workload and method (none, ngram, suffix, mtp, mtp+suffix), the same requests at c = 1 (one at a time)
-and c = 4 (batched): tokens per target forward, acceptance, mean draft length, tok/s, and
+and c = 4 (batched), each run starting from fresh proposer groups (suffix decoding's recent
+answers hold only that run's earlier requests): tokens per target forward, acceptance, mean draft length, tok/s, and
 tok/s ÷ none measured in the same run.
 
     python benchmarks/agents.py [--methods none,ngram,suffix,mtp,mtp+suffix] [--concurrency 1,4] [--max-tokens 160]
@@ -98,6 +99,7 @@ def workloads(tokenizer) -> dict[str, list[list[int]]]:
 def run(engine, prompts, method, concurrency, max_tokens):
     from macspec.sampling import SamplingParams
 
+    engine.speculator.reset()  # fresh proposer groups: no earlier run's answers to draft from
     done, t0 = [], time.perf_counter()
     for start in range(0, len(prompts), concurrency):
         batch = prompts[start:start + concurrency]
