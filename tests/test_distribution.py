@@ -24,7 +24,11 @@ from .modeldirs import (build_model, random_mtp_head, save_model, tiny_llama_con
 pytestmark = pytest.mark.slow  # loads a model or starts a server/process
 
 VOCAB = 8
-PROMPT = [1, 2, 3, 1]
+# Every pair of tokens occurs in the prompt (a De Bruijn sequence of order 2): a proposer that
+# drafts from the request's own context (n-gram, suffix) has a match at every step, even a seeded
+# suffix request (which may not draft from other requests' answers).
+PROMPT = [0, 0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 1, 1, 2, 1, 3, 1, 4, 1, 5, 1, 6, 1, 7, 2, 2, 3, 2,
+          4, 2, 5, 2, 6, 2, 7, 3, 3, 4, 3, 5, 3, 6, 3, 7, 4, 4, 5, 4, 6, 4, 7, 5, 5, 6, 5, 7, 6, 6, 7, 7, 0]
 NUM_SAMPLES = 2000
 MIN_P_VALUE = 1e-3
 SCALE = 4.0  # sharpens the random heads: entropies well between one-hot and uniform

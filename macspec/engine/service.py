@@ -73,7 +73,12 @@ class EngineService:
         if not self.alive:
             raise EngineUnavailableError("the engine is not running")
         with self._lock:
-            queued = len(self.engine.scheduler.waiting) + sum(1 for op, _ in self._inbox if op == self._add)
+            # Requests not yet taken from the inbox wait only beyond the batch's free rows: the
+            # count must not depend on how fast the engine thread drains the inbox.
+            live = self.engine.live_counts
+            free = max(0, self.engine.max_batch - live["running"] - live["prefilling"])
+            pending = sum(1 for op, _ in self._inbox if op == self._add)
+            queued = len(self.engine.scheduler.waiting) + max(0, pending - free)
             if queued + len(requests) > self.max_queue:
                 self.engine.stats.count("rejected", len(requests))
                 raise QueueFullError(f"the queue is full ({self.max_queue} waiting); retry later")
