@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import mlx.core as mx
-
 from ..config import Profile
 from ..progress import phase
 from .bootstrap import BootstrapError, Peers, check_backend_here, group_spec, join_with_peers
@@ -70,9 +68,6 @@ class TPContext:
     @property
     def size(self) -> int:
         return self.group.size()
-
-    def barrier(self) -> None:
-        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=self.group, stream=mx.cpu))
 
     def status(self) -> dict:
         return {"ranks": self.size, "plans": self.channel.sequence, "plan_collectives": self.channel.collectives,

@@ -71,10 +71,6 @@ class ServerState:
         worker thread so the event loop keeps streaming other requests meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    **template_args) -> list[int]:
-        return self.render_chat(messages, tools, **template_args)[0]
-
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     **template_args) -> tuple[list[int], bool]:
         """-> (prompt ids, whether the prompt leaves a <think> block open). Tools go to the chat
