@@ -19,7 +19,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from .errors import ProfileError
-from .proposers import BY_NAME as PROPOSERS, METHODS
+from .proposers import BY_NAME as PROPOSERS, METHODS, own_model
 
 DEFAULT_PROFILE = "tiny"
 PROFILE_SUFFIX = ".toml"
@@ -225,6 +225,12 @@ class Profile:
     server: ServerConfig = field(default_factory=ServerConfig)
     source: str = "<defaults>"
     sources: dict[str, str] = field(default_factory=dict)
+
+    def models(self) -> dict[str, str]:
+        """Role -> model reference for every model this profile loads: the target, and the
+        proposer's own model when its method has one."""
+        own = own_model(self.speculative.method, self.speculative)
+        return {"target": self.model.path, **({"draft": own} if own else {})}
 
     def override(self, key: str, value: Any, origin: str) -> None:
         """Apply `section.key = value` (a CLI flag), validated like a profile value."""

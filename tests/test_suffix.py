@@ -7,7 +7,7 @@ import pytest
 
 from macspec.sampling import Rng, RowContext, SamplingParams
 from macspec.spec.base import ChainRow
-from macspec.spec.suffix import MAX_MATCH, SuffixGroup, SuffixIndex, walk
+from macspec.spec.suffix import MAX_MATCH, SuffixGroup, SuffixIndex, scored_walk
 
 from .conftest import engine_for, tiny_runtime
 
@@ -35,16 +35,16 @@ def test_the_most_frequent_continuation_wins_and_doubt_stops_the_draft():
     candidates = [(index.tokens, at) for _, at in found]
     # 2 of 3 occurrences continue with 8 (p 2/3); those two then part (50 | 52: p 1/3, a tie
     # the most recent occurrence wins).
-    assert walk(candidates, 3, 8, 1.0, 0.1) == [8, 52, 53]
-    assert walk(candidates, 3, 8, 1.0, 0.4) == [8]
-    assert walk(candidates, 3, 8, 1.0, 0.7) == []
+    assert scored_walk(candidates, 3, 8, 1.0, 0.1)[0] == [8, 52, 53]
+    assert scored_walk(candidates, 3, 8, 1.0, 0.4)[0] == [8]
+    assert scored_walk(candidates, 3, 8, 1.0, 0.7)[0] == []
 
 
 def test_a_short_match_earns_a_short_draft():
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
     index = SuffixIndex(tokens)
     [(match, at)] = index.occurrences([40, 41, 3, 4], skip_last=False)
-    assert match == 2 and walk([(index.tokens, at)], match, 16, 1.0, 0.1) == [5, 6]
+    assert match == 2 and scored_walk([(index.tokens, at)], match, 16, 1.0, 0.1)[0] == [5, 6]
 
 
 def test_match_length_is_measured_up_to_its_cap():

@@ -10,7 +10,6 @@ from ..progress import phase
 from .bootstrap import BootstrapError, Peers, check_backend_here, group_spec, join_with_peers
 from .channel import PlanChannel
 from .handshake import PeerLeftError, handshake, identity
-from ..proposers import own_model
 from .plan import encode_op
 
 logger = logging.getLogger(__name__)
@@ -21,10 +20,7 @@ def preflight(profile: Profile) -> None:
     this machine (each rank would download them) and a backend this OS cannot run."""
     from ..models.loader import find_local_model, source_of
 
-    wanted = {"target": profile.model.path}
-    proposer_model = own_model(profile.speculative.method, profile.speculative)
-    if proposer_model:
-        wanted["draft"] = proposer_model
+    wanted = profile.models()
     problems = [f"the {role} model {ref!r} is not on this machine (on every host: hf download {ref})"
                 for role, ref in wanted.items() if not source_of(ref).made_here and find_local_model(ref) is None]
     try:

@@ -18,7 +18,6 @@ from ..config import Profile
 from . import macos
 from .memory import GB_FIT_SLACK, MB, kv_bytes_per_token, weight_sizes
 from ..models.textconfig import language_config
-from ..proposers import own_model
 
 OK, WARN, FAIL, NA = "ok", "warn", "fail", "n/a"
 SYMBOLS = {OK: "✓", WARN: "⚠", FAIL: "✗", NA: "·"}
@@ -146,10 +145,7 @@ class Doctor:
     def models(self) -> None:
         from ..models.compat import check_draft_compatible
 
-        spec = self.profile.speculative
-        wanted = {"target": self.profile.model.path}
-        if own_model(spec.method, spec):
-            wanted["draft"] = own_model(spec.method, spec)
+        wanted = self.profile.models()
         for role, ref in wanted.items():
             self.model_dirs[role] = self._model_check(role, ref)
         if self.model_dirs.get("target") and self.model_dirs.get("draft"):

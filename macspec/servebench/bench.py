@@ -14,7 +14,6 @@ import click
 
 from ..config import load_profile
 from ..errors import MacspecError
-from ..proposers import own_model
 from . import report as reports
 from .launch import LaunchedServer, float32_copy
 from .prompts import load_prompts
@@ -96,9 +95,8 @@ def _mlx_lm_target(profile, work: Path, launched: list, errors: list[str]) -> Ta
         path = resolve_path(ref)
         return float32_copy(path, work / f"{name}-float32") if mx.default_device() == mx.cpu else path
 
-    spec = profile.speculative
-    proposer_model = own_model(spec.method, spec)
-    draft = prepared(proposer_model, "draft") if proposer_model else None
+    own = profile.models().get("draft")
+    draft = prepared(own, "draft") if own else None
     server = LaunchedServer.mlx_lm(prepared(profile.model.path, "target"), work, draft)
     label = "mlx_lm.server" + (" + draft" if draft else "")
     return Target(label, _start(server, launched, errors).url)

@@ -62,7 +62,6 @@ class HybridGroup(ProposerGroup):
         self.model_k_max = model_k_max  # the model drafts at most this deep (suffix: up to k)
         self.needs_hidden = model.needs_hidden
         self.choices: dict[int, RowChoice] = {}
-        self.used_counts = {"model": 0, "suffix": 0}
 
     @property
     def keys(self) -> list[int]:
@@ -118,6 +117,4 @@ class HybridGroup(ProposerGroup):
                 # The model's chain ran nothing useful for this row: it keeps none of it.
                 ratio = n / choice.expected if choice.expected else 0.0
                 choice.suffix_trust += EWMA * (min(ratio, 1.5) - choice.suffix_trust)
-            if choice.used:
-                self.used_counts[choice.used] += 1
         self.model.settle(model_accepted)

@@ -87,16 +87,11 @@ def _match_length(tokens: list[int], end: int, context: list[int], known: int) -
     return length
 
 
-def walk(candidates: list[tuple[list[int], int]], match: int, k: int, factor: float,
-         min_prob: float) -> list[int]:
-    """The most frequent continuation of (tokens, start) candidates, as a frequency tree walk."""
-    return scored_walk(candidates, match, k, factor, min_prob)[0]
-
-
 def scored_walk(candidates: list[tuple[list[int], int]], match: int, k: int, factor: float,
                 min_prob: float) -> tuple[list[int], list[float]]:
-    """walk(), with each drafted token's estimated path probability (the share of candidates
-    that agree on every token so far)."""
+    """The most frequent continuation of (tokens, start) candidates, as a frequency tree walk,
+    with each drafted token's estimated path probability (the share of candidates that agree
+    on every token so far)."""
     limit = min(k, max(1, int(factor * match)))
     draft: list[int] = []
     probs: list[float] = []
