@@ -129,6 +129,10 @@ class KVConfig:
     prefill_chunk: int = spec(512, _range(1, integer=True), "tokens per prefill forward")
     prefix_cache_mb: int = spec(512, _range(0, integer=True),
                                 "serve: KV of finished requests kept for shared prompt prefixes")
+    prefix_cache_disk_gb: float = spec(0.0, _range(0.0), "serve: prefix-cache entries also kept "
+                                       "on disk, for restarts (cache dir, LRU); 0 = off")
+    prefix_cache_disk_dir: str | None = spec(None, _optional(_string), "where those entries go "
+                                             "(default: <cache dir>/prefix-kv)")
     kv_budget_mb: int | None = spec(None, _optional(_range(1, integer=True)),
                                     "serve: cap on KV memory for running requests (default: what "
                                     "the memory limit leaves after the weights)")

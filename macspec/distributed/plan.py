@@ -45,6 +45,8 @@ OPS = [
     Op(12, "shutdown", 0, False, True),
     Op(13, "check_hidden", 0, False, True),
     Op(14, "share_slot_prefix", 3, False, False),
+    Op(15, "persist_prefix", 1, True, False),
+    Op(16, "load_prefix", 1, True, True),  # every rank reads its file, then all agree (a collective)
 ]
 BY_NAME = {op.name: op for op in OPS}
 BY_CODE = {op.code: op for op in OPS}

@@ -19,6 +19,7 @@ from .. import faults, proposers
 from ..blas import govern_threads
 from ..errors import EngineUnavailableError, MacspecError
 from ..grammar import GrammarError
+from ..kv.disk import open_store
 from ..kv.prefix import PrefixCache
 from ..monitor.memory import MB, KVBudget
 from ..spec.calibrate import calibrate
@@ -44,7 +45,9 @@ class Engine(BlockingAPI):
         faults.arm_from_env()
         self.tp = tp  # a TPContext: every runner op is mirrored to the workers
         self.watchdog = None
-        self.runner = self._make_runner(TargetRunner(runtime.view))
+        disk = open_store(profile.kv, runtime.target.path, profile.model.dtype,
+                          world=self.tp_size)
+        self.runner = self._make_runner(TargetRunner(runtime.view, tp.group if tp else None, disk))
         self.speculator = Speculator(lambda method: runtime.make_group(method, runtime.vocab_size),
                                      profile.speculative, runtime.vocab_size)
         memory = KVBudget.for_engine(runtime.kv_bytes_per_token(proposers.PLAIN, self.tp_size),
@@ -271,6 +274,7 @@ class Engine(BlockingAPI):
             self.tp.close(clean=clean and self.fatal_reason is None)
 
     def idle(self, heartbeat_s: float) -> None:
+        self.scheduler.persist()  # nothing waits on the disk writes now
         self.runner.idle(heartbeat_s)
 
     # ---- calibration and reporting -----------------------------------------------------

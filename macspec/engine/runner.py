@@ -3,6 +3,8 @@
 Under tensor parallelism every rank holds one of these for its shard and applies the same ops
 in the same order (rank 0 decides, workers replay its plan), so the ranks cannot diverge.
 Ops take ints and one optional trailing list of ints: exactly what a StepPlan can carry.
+Prefix entries may be written to disk and read back after a restart (kv/disk.py): each rank
+its own shard's file; a load is agreed by every rank or by none.
 """
 
 from __future__ import annotations
@@ -13,18 +15,22 @@ import mlx.core as mx
 
 from ..kv.batched import BatchKV, layout_of
 from ..kv.cache import cache_arrays, leaves, make_trimmable_cache
+from ..kv.disk import DiskPrefixStore
 from ..models.view import ModelView
 
 NO_ENTRY = -1  # "no prefix-cache entry" in ops
 
 
 class TargetRunner:
-    def __init__(self, view: ModelView):
+    def __init__(self, view: ModelView, group=None, disk: DiskPrefixStore | None = None):
         self.view = view
+        self.group = group  # the tensor-parallel group (None: one process)
+        self.disk = disk  # this rank's prefix entries on disk (None: off)
         self.layout = layout_of(make_trimmable_cache(view.model))  # CacheList layers, e.g. GLM-5
         self.kv = BatchKV(self.layout)
         self.slots: dict[int, list] = {}  # request id -> single-row cache while prefilling
         self.prefixes: dict[int, list[tuple[mx.array, ...]]] = {}  # prefix-cache entry -> KV
+        self.prefix_states: dict[int, mx.array] = {}  # entry -> the target's states (MTP), rank 0
 
     # ---- prefill slots ---------------------------------------------------------------
     def open_slot(self, slot: int, entry: int, length: int) -> None:
@@ -102,6 +108,44 @@ class TargetRunner:
     def drop_prefixes(self, entries: list[int]) -> None:
         for entry in entries:
             self.prefixes.pop(entry, None)
+            self.prefix_states.pop(entry, None)
+
+    # ---- prefix entries on disk --------------------------------------------------------
+    def persist_prefix(self, entry: int, tokens: list[int]) -> None:
+        """Write a kept entry (and its states, on rank 0) to disk: a copy, no compute."""
+        if self.disk is not None and entry in self.prefixes:
+            self.disk.save(tokens, self.prefixes[entry], self.prefix_states.get(entry))
+
+    def disk_match(self, prompt: list[int]) -> int:
+        """Tokens `prompt` shares with this rank's best on-disk entry (0: none); rank 0 reads it."""
+        return self.disk.longest(prompt)[0] if self.disk is not None else 0
+
+    def load_prefix(self, entry: int, tokens: list[int]) -> bool:
+        """The first len(tokens) positions of the on-disk entry sharing `tokens` become entry
+        `entry`. Every rank must load its shard, else none keeps it: -> whether all did."""
+        loaded = self._read_prefix(tokens)
+        if self.group is not None:  # one rank's damaged or evicted file means a cold prefill
+            agreed = mx.distributed.all_sum(mx.array(int(loaded is not None)), group=self.group,
+                                            stream=mx.cpu)
+            if agreed.item() < self.group.size():
+                loaded = None
+        if loaded is None:
+            return False
+        self.prefixes[entry], states = loaded
+        if states is not None and states.shape[0] >= len(tokens):
+            self.prefix_states[entry] = states[:len(tokens)]
+        return True
+
+    def _read_prefix(self, tokens: list[int]):
+        shared, found = self.disk.longest(tokens) if self.disk is not None else (0, None)
+        if found is None or shared < len(tokens):
+            return None
+        loaded = self.disk.load(found, sum(max(1, n) for n in self.layout))  # leaf caches
+        if loaded is None:
+            return None
+        layers = [tuple(mx.contiguous(a[:, :, :len(tokens)]) for a in leaf) for leaf in loaded[0]]
+        mx.eval(layers)
+        return layers, loaded[1]
 
     def reset(self) -> None:
         """Forget running rows and slots after a failed step (prefix entries stay valid)."""

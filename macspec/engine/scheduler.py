@@ -3,7 +3,8 @@ prompt chunks for prefill, and the rows of the batched decode.
 
 Sequences move waiting -> prefilling -> running; `running[i]` is row i of the runner's batched
 KV. The scheduler talks to the runner only to open, promote and close slots and rows, so under
-tensor parallelism every such decision is one op in rank 0's plan.
+tensor parallelism every such decision is one op in rank 0's plan. Prefix entries go to disk
+between steps (at admission) and come back from it before a lookup (after a restart).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
-        self.prefix_states: dict[int, mx.array] = {}  # entry -> the target's states it starts with
+        self.prefix_states = runner.prefix_states  # entry -> the target's states it starts with
+        self.to_persist: list[tuple[int, list[int]]] = []  # entries to write to disk (persist)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -48,6 +50,7 @@ class Scheduler:
 
     def admit(self) -> None:
         """Waiting requests start prefill, in order, while the batch and the KV budget allow."""
+        self.persist()
         while self.waiting and len(self.prefilling) + len(self.running) < self.max_batch:
             if not self._memory_for(self.waiting[0]):
                 return
@@ -62,6 +65,7 @@ class Scheduler:
     def _lookup(self, seq: Sequence) -> tuple[int, int | None]:
         """The longest cached prefix `seq` can use: a row whose head reads the target's states
         (MTP) only as far as its entry kept them, and it starts from them."""
+        self._load_from_disk(seq.prompt)
         if not _needs_states(seq):
             return self.prefix_cache.lookup(seq.prompt)
         kept = lambda entry: len(self.prefix_states[entry]) if entry in self.prefix_states else 0  # noqa: E731
@@ -170,9 +174,10 @@ class Scheduler:
         self.memory.reserved -= seq.kv_held
         seq.kv_held = 0
 
-    def _store_prefix(self, tokens: list[int], nbytes: int, states: mx.array | None = None) -> int:
+    def _store_prefix(self, tokens: list[int], nbytes: int, states: mx.array | None = None,
+                      persist: bool = True) -> int:
         """Admit `tokens` (and the target's states for them, if kept) to the prefix index -> the
-        entry id to store under (or NO_ENTRY)."""
+        entry id to store under (or NO_ENTRY); it goes to disk at the next admission."""
         if not self.prefix_cache.max_bytes:
             return NO_ENTRY
         entry, dropped = self.prefix_cache.store(tokens, nbytes + (states.nbytes if states is not None else 0))
@@ -180,11 +185,34 @@ class Scheduler:
             self._drop_prefixes(dropped)
         if entry is not None and states is not None:
             self.prefix_states[entry] = states
+        if entry is not None and persist and self.runner.disk is not None:
+            self.to_persist.append((entry, list(tokens)))
         return NO_ENTRY if entry is None else entry
 
+    def persist(self) -> None:
+        """Entries stored since the last admission go to disk between steps (at admission, or
+        when the engine goes idle), never inside one."""
+        for entry, tokens in self.to_persist:
+            if entry in self.runner.prefixes:  # not evicted meanwhile
+                self.runner.persist_prefix(entry, tokens)
+        self.to_persist.clear()
+
+    def _load_from_disk(self, prompt: list[int]) -> None:
+        """A longer prefix on disk than in RAM (after a restart, or evicted from RAM) becomes a
+        RAM entry, agreed by every rank; a lookup then finds it like any other."""
+        if self.runner.disk is None or not self.prefix_cache.max_bytes:
+            return
+        length = min(self.runner.disk_match(prompt), len(prompt) - 1)
+        if length <= self.prefix_cache.tree.longest_match(prompt)[0]:
+            return
+        tokens = prompt[:length]
+        source = self.runner.disk.longest(tokens)[1]
+        nbytes = source.nbytes * length // len(source.tokens)  # the file's share for `length` tokens
+        entry = self._store_prefix(tokens, nbytes, persist=False)
+        if entry != NO_ENTRY and not self.runner.load_prefix(entry, tokens):
+            self._drop_prefixes([self.prefix_cache.forget(tokens)])
+
     def _drop_prefixes(self, entries: list[int]) -> None:
-        for entry in entries:
-            self.prefix_states.pop(entry, None)
         self.runner.drop_prefixes(entries)
 
 

@@ -13,6 +13,7 @@ import threading
 import time
 
 from ..config import load_profile
+from ..kv.disk import open_store
 from .runner import TargetRunner
 from ..models.loader import load_model
 from ..models.view import ModelView
@@ -37,7 +38,8 @@ def worker_main(profile_ref: str, rank: int) -> None:
     m = profile.model
     target = load_model(m.path, m.dtype, m.revision, m.trust_remote_code, group=group)
     logger.info("rank %d: shard of %s loaded", rank, target.path)
-    serve_plans(TargetRunner(ModelView(target.model)), PlanChannel(group),
+    disk = open_store(profile.kv, target.path, m.dtype, rank, group.size())
+    serve_plans(TargetRunner(ModelView(target.model), group, disk), PlanChannel(group),
                 profile.parallel.step_timeout_s + IDLE_GRACE_S)
 
 

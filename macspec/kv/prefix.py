@@ -61,6 +61,10 @@ class PrefixCache:
         """Free the least recently used entry (memory pressure) -> its id."""
         return self._drop(next(iter(self.entries))) if self.entries else None
 
+    def forget(self, tokens: list[int]) -> int | None:
+        """Drop the entry for exactly `tokens` (an entry whose KV could not be loaded) -> its id."""
+        return self._drop(tuple(tokens)) if tuple(tokens) in self.entries else None
+
     def _drop(self, key) -> int:
         entry, nbytes = self.entries.pop(key)
         self.tree.remove(key)
