@@ -160,7 +160,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1,4 clients, 32 tokens, 1 round")
     ap.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx_lm.server rows")
     ap.add_argument("--json-out")
-    ap.add_argument("--target", default="tiny-wide", choices=("tiny", "tiny-wide", "smollm2"))
+    ap.add_argument("--target", default="tiny-wide", choices=("tiny", "tiny-wide", "tiny-moe", "smollm2"))
+    ap.add_argument("--methods", default="", help="more macspec variants on the same server, e.g. "
+                    "mtp,ngram (each its own row beside the profile's method)")
     ap.add_argument("--draft", default="distilled", choices=("distilled", "random"))
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--repeats", type=int, default=2, help="alternating repeats per level (mean)")
@@ -185,7 +187,7 @@ def main() -> None:
         texts = chat_prompts(tokenizer, 32)
         method = 'method = "mtp"\n'
     else:
-        target = (resolve_path("built:tiny-wide") if args.target == "tiny-wide"
+        target = (resolve_path(f"built:{args.target}") if args.target in ("tiny-wide", "tiny-moe")
                   else float32_copy(resolve_path("embedded:tiny-target"), work / "target"))
         draft = float32_copy(resolve_path("embedded:tiny-draft"), work / "draft")
         if args.draft == "random":
@@ -203,8 +205,9 @@ def main() -> None:
                   "runpy.run_module('mlx_lm.server', run_name='__main__')", "mlx_lm.server"]
     # One server per entry; its variants (request extras) run alternately on it, so spec on and
     # spec off are measured side by side on the same warm server.
+    more = [(f"macspec {m}", {"speculative": {"method": m}}) for m in args.methods.split(",") if m]
     servers = [("macspec", [py, "-m", "macspec", "serve", "--profile", str(profile)], "/health",
-                [("macspec spec on", {}), ("macspec spec off", {"speculative": {"method": "none"}})])]
+                [("macspec spec on", {}), ("macspec spec off", {"speculative": {"method": "none"}}), *more])]
     if not args.no_mlx_lm:
         base = [*mlx_lm_cmd, "--model", str(target), "--max-tokens", str(args.max_tokens)]
         servers += [("mlx_lm.server", base, "/v1/models", [("mlx_lm.server", {})])]
@@ -253,7 +256,8 @@ def main() -> None:
                  for r in rows.values()]
         print(f"| {name} | " + " | ".join(cells) + " |")
     base = table["macspec spec off"]
-    print("| macspec on / off | " + " | ".join(f"{table['macspec spec on'][c]['tok_per_s'] / base[c]['tok_per_s']:.2f}x"
+    for name in ["macspec spec on", *(n for n, _ in more)]:
+        print(f"| {name} / off | " + " | ".join(f"{table[name][c]['tok_per_s'] / base[c]['tok_per_s']:.2f}x"
                                                for c in levels) + " |")
     if "mlx_lm.server" in table:
         for name in [n for n in ("mlx_lm.server", "mlx_lm.server draft") if n in table]:

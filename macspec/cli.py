@@ -489,7 +489,7 @@ def profiles_show(name, as_json):
             click.echo(f"  {key} = {json.dumps(value)}  # {origin}")
 
 
-@main.command(short_help="Train or build models: the embedded family, tiny-wide, the seed replicas, SmolLM2's MTP head.")
+@main.command(short_help="Train or build models: the embedded family, tiny-wide, tiny-moe, the seed replicas, SmolLM2's MTP head.")
 @click.argument("what", default="family")
 @click.option("--out", type=click.Path(file_okay=False),
               help="Output directory (family: required; tiny-wide and the replicas: default the "
@@ -503,7 +503,7 @@ def profiles_show(name, as_json):
 def forge(what, out, recipe, reuse_target, log_level):
     """Train the embedded family (WHAT = family, offline, CPU), or build WHAT = tiny-wide: the
     embedded target widened to ~206M parameters with the same logits (tiny-wide-N: hidden N),
-    or WHAT = kimi-k25-mini, moonlight-mini, glm5-mini: miniature replicas of the seed models
+    or WHAT = tiny-moe: the same target as a 64-expert MoE, again with the same logits, or WHAT = kimi-k25-mini, moonlight-mini, glm5-mini: miniature replicas of the seed models
     (their architectures, config keys and quantization; a few MB, seconds), or WHAT =
     smollm2-mtp: SmolLM2's MTP head, trained on its own answers (~30 min; default --out: the
     shipped head, which `pulled:smollm2` then attaches)."""
@@ -520,8 +520,12 @@ def forge(what, out, recipe, reuse_target, log_level):
         click.echo(f"wrote the SmolLM2 head into {path}")
         return
     if what != "family":
-        from .models.built import build_replica, build_wide, built_dir, is_replica, wide_hidden
+        from .models.built import MOE_NAME, build_moe, build_replica, build_wide, built_dir, is_replica, wide_hidden
 
+        if what == MOE_NAME:
+            path = build_moe(Path(out) if out else built_dir(what))
+            click.echo(f"built {what} (MoE) in {path}")
+            return
         if is_replica(what):
             path = build_replica(what, Path(out) if out else built_dir(what))
             click.echo(f"built {what} in {path}")

@@ -3,6 +3,8 @@ with useless drafts turn off and are probed with backoff."""
 
 from __future__ import annotations
 
+import pytest
+
 from macspec.spec.planner import BatchPlanner, RowController
 
 
@@ -63,3 +65,25 @@ def test_useless_drafts_turn_off_then_probe_with_backoff():
     assert row.num_turned_off == 1 and row.is_off
     assert row.num_probes >= 4 and probing_steps > 0
     assert sorted(set(intervals))[:3] == [8, 16, 32]
+
+
+def test_moe_cost_model_fits_expert_reads_and_turns_k_down_where_windows_cost_them():
+    """An MoE target's window reads up to W × top-k experts: the fit recovers a cost in the
+    expected distinct experts, and a row with 60 % acceptance drafts on a dense target with the
+    same one-token cost but not on the MoE one."""
+    from macspec.spec.planner import distinct_experts, moe_shape
+
+    moe = moe_shape({"n_routed_experts": 64, "num_experts_per_tok": 8})
+    assert moe == (64, 8) and moe_shape({"intermediate_size": 768}) is None
+    assert distinct_experts(moe, 1) == pytest.approx(1.0) and distinct_experts(None, 5) == 0.0
+    truth = lambda b, w: 0.002 + 0.0001 * b + 0.0002 * b * w + 0.01 * distinct_experts(moe, b * w)  # noqa: E731
+    planners = {"moe": BatchPlanner(moe), "dense": BatchPlanner()}
+    for i in range(400):
+        b, w = (1, 2, 4)[i % 3], (1, 2, 4, 5)[i % 4]
+        planners["moe"].observe_step(b, w, truth(b, w), 0.0)
+        # dense: the same one-token cost, windows nearly free (bandwidth-bound)
+        planners["dense"].observe_step(b, w, truth(1, 1) * (1 + 0.05 * (b * w - 1)), 0.0)
+    assert planners["moe"].forward.coef[3] == pytest.approx(0.01, rel=0.05)
+    assert planners["moe"].forward.predict(1, 4) / planners["moe"].forward.predict(1, 1) > 2.5
+    ks = {name: p.plan(rows(1, alpha=0.6)) for name, p in planners.items()}
+    assert ks["dense"][0] >= 2 and ks["moe"][0] == 0, ks

@@ -23,6 +23,7 @@ from ..kv.disk import open_store
 from ..kv.prefix import PrefixCache
 from ..monitor.memory import MB, KVBudget
 from ..spec.calibrate import calibrate
+from ..spec.planner import moe_shape
 from ..spec.speculator import Speculator
 from . import window
 from .blocking import BlockingAPI
@@ -49,7 +50,7 @@ class Engine(BlockingAPI):
                           world=self.tp_size)
         self.runner = self._make_runner(TargetRunner(runtime.view, tp.group if tp else None, disk))
         self.speculator = Speculator(lambda method: runtime.make_group(method, runtime.vocab_size),
-                                     profile.speculative, runtime.vocab_size)
+                                     profile.speculative, runtime.vocab_size, moe_shape(runtime.target.config))
         memory = KVBudget.for_engine(runtime.kv_bytes_per_token(proposers.PLAIN, self.tp_size),
                                      profile.kv.kv_budget_mb)
         logger.info("KV budget %d MB (%s), %d bytes per token", memory.budget // MB, memory.source,

@@ -3,7 +3,9 @@
 `built:tiny-wide` is the embedded target widened to hidden 1664 (~206M parameters, float32,
 the same logits; see widen.py) with its widened MTP head: a bandwidth-bound stand-in for a
 real target, drafted by the unchanged embedded:tiny-draft. `built:tiny-wide-N` is the same at
-hidden N. `built:kimi-k25-mini`, `built:moonlight-mini` and `built:glm5-mini` are miniature
+hidden N. `built:tiny-moe` is the embedded target widened to hidden 512 and sparse-upcycled
+into a GLM-4.5-style MoE (64 experts, top 8, one shared expert; upcycle.py), again with the
+same logits: the stand-in for MoE targets. `built:kimi-k25-mini`, `built:moonlight-mini` and `built:glm5-mini` are miniature
 replicas of the seed profiles' models (models/replicas.py: their architectures, config keys,
 layouts and quantization, a few MB each, built deterministically in seconds). Dirs live in
 paths.cache_dir()/models/NAME and are plain mlx-lm model dirs.
@@ -31,6 +33,7 @@ SOURCE = "tiny-target"  # the embedded model every build starts from
 WIDE_HIDDEN = 1664
 BUILD_VERSION = 1  # bump when the written files change, so old caches are rebuilt
 _NAME = re.compile(r"tiny-wide(?:-(\d+))?")
+MOE_NAME = "tiny-moe"
 
 
 def replica_names() -> list[str]:
@@ -42,10 +45,14 @@ def is_replica(name: str) -> bool:
 
 
 def wide_hidden(name: str) -> int:
+    if name == MOE_NAME:
+        from .upcycle import MOE_HIDDEN
+
+        return MOE_HIDDEN
     match = _NAME.fullmatch(name)
     if not match:
         raise ModelLoadError(f"no built model {name!r}; built models: tiny-wide (hidden "
-                             f"{WIDE_HIDDEN}, ~206M parameters), tiny-wide-N (hidden N), "
+                             f"{WIDE_HIDDEN}, ~206M parameters), tiny-wide-N (hidden N), {MOE_NAME} (MoE), "
                              f"{', '.join(replica_names())} (replicas of the seed models)")
     hidden = int(match.group(1) or WIDE_HIDDEN)
     try:
@@ -61,12 +68,14 @@ def built_dir(name: str) -> Path:
     return cache_dir() / "models" / name
 
 
-def _stamp(hidden: int) -> dict:
+def _stamp(hidden: int, recipe: str = "tiny-wide") -> dict:
     # The embedded target's bytes: a re-forged target (a macspec upgrade) invalidates the build.
     digest = hashlib.sha256()
     for file in sorted(p for p in (embedded_dir() / SOURCE).iterdir() if p.is_file()):
         digest.update(file.name.encode() + file.read_bytes())
-    return {"recipe": "tiny-wide", "hidden": hidden, "source": digest.hexdigest()[:16],
+    if recipe == MOE_NAME:  # and so does a change to the upcycling recipe
+        digest.update((Path(__file__).parent / "upcycle.py").read_bytes())
+    return {"recipe": recipe, "hidden": hidden, "source": digest.hexdigest()[:16],
             "version": BUILD_VERSION}
 
 
@@ -76,6 +85,8 @@ def _replica_stamp(name: str) -> dict:
 
 
 def _stamp_for(name: str) -> dict:
+    if name == MOE_NAME:
+        return _stamp(wide_hidden(name), MOE_NAME)
     return _replica_stamp(name) if is_replica(name) else _stamp(wide_hidden(name))
 
 
@@ -90,6 +101,8 @@ def ensure_built(name: str) -> Path:
     what = f"building {name} (first use)"
     if is_replica(name):
         return find_built(name) or build_replica(name, built_dir(name), force=False, what=what)
+    if name == MOE_NAME:
+        return find_built(name) or build_moe(built_dir(name), force=False, what=what)
     return find_built(name) or build_wide(built_dir(name), wide_hidden(name), force=False,
                                           what=what)
 
@@ -99,6 +112,14 @@ def build_wide(out: Path, hidden: int, force: bool = True, what: str | None = No
     so a concurrent or interrupted build never leaves a half dir at `out`."""
     out = build(out, _stamp(hidden), lambda tmp: _write_wide(tmp, hidden), force, what)
     logger.info("built %s (hidden %d)", out, hidden)
+    return out
+
+
+def build_moe(out: Path, force: bool = True, what: str | None = None) -> Path:
+    """Write built:tiny-moe to `out`, atomically as build_wide does."""
+    out = build(out, _stamp_for(MOE_NAME), lambda tmp: _write_wide(tmp, wide_hidden(MOE_NAME), moe=True),
+                force, what)
+    logger.info("built %s (MoE)", out)
     return out
 
 
@@ -114,17 +135,21 @@ def _write_replica(out: Path, name: str) -> None:
     (out / STAMP).write_text(json.dumps(_replica_stamp(name), indent=2) + "\n")
 
 
-def _write_wide(out: Path, hidden: int) -> None:
+def _write_wide(out: Path, hidden: int, moe: bool = False) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     from .checkpoint import load_dir, load_mtp_head
+    from .upcycle import upcycle_mtp_head, upcycle_target
     from .widen import widen_mtp_head, widen_target
 
     source = embedded_dir() / SOURCE
     target = load_dir(source, dtype="float32")
     wide, config = widen_target(target.model, target.config, hidden)
     head = widen_mtp_head(load_mtp_head(target), wide, target.config, config)
+    if moe:
+        wide, config = upcycle_target(wide, config)
+        head = upcycle_mtp_head(head, wide, config)
     meta = {"format": "mlx"}
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(wide.parameters())), meta)
     # Beside the weights, as in the embedded target: mlx-lm's llama loader rejects unknown keys.
@@ -134,4 +159,4 @@ def _write_wide(out: Path, hidden: int) -> None:
     for file in source.iterdir():
         if file.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy2(file, out / file.name)
-    (out / STAMP).write_text(json.dumps(_stamp(hidden), indent=2) + "\n")
+    (out / STAMP).write_text(json.dumps(_stamp(hidden, MOE_NAME if moe else "tiny-wide"), indent=2) + "\n")

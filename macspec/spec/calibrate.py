@@ -21,8 +21,10 @@ def calibrate(speculator: Speculator, runner, method: str, max_batch: int, width
     """`runner.time_forward(rows, window, repeats)` times the target; `width`: its hidden size."""
     k_max = max(1, speculator.settings.num_draft_tokens)
     # The largest batch too: on a CPU a wide batch leaves the bandwidth-bound regime.
+    # An MoE target's window cost is curved (the experts it reads): one more window to fit it.
+    windows = sorted({1, 2, k_max + 1}) if speculator.planner.forward.moe else (1, k_max + 1)
     for rows in sorted({1, min(4, max_batch), max_batch}):
-        for window in (1, k_max + 1):
+        for window in windows:
             for seconds in runner.time_forward(rows, window, 3)[1:]:  # the first pays one-off costs
                 speculator.planner.forward.observe(rows, window, seconds)
     if method != proposers.PLAIN:

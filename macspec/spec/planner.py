@@ -1,8 +1,10 @@
 """k for every row of a batch, from measured costs and each row's measured acceptance.
 
 A step costs t_target(B, N) + sum_m c_m(B_m)·K_m + B·o: the target forward over B rows padded
-to N = max k + 1 positions (fitted online on [1, B, B·N] by non-negative, exponentially
-weighted least squares, seeded by a calibration at start), each method's draft chain (one
+to N = max k + 1 positions (fitted online on [1, B, B·N, X(B·N)] by non-negative, exponentially
+weighted least squares, seeded by a calibration at start; X is an MoE target's expected
+distinct experts per layer for B·N independently routed tokens ÷ top-k, 0 for a dense one:
+on MoE the window's cost grows with the experts it reads), each method's draft chain (one
 forward per chain step for all B_m rows of that method, K_m steps deep), and a per-row
 overhead (acceptance, bookkeeping). The plan maximises the batch's
 expected committed tokens per second, sum_i E_i(k_i) / cost. Verifying B·(k+1) positions grows
@@ -29,19 +31,37 @@ RESOLVE_EVERY = 16  # observations between solves of the forward-cost fit
 NEAR_TIE = 1.02  # prefer the smaller k unless the larger is 2% better
 
 
-class ForwardCostModel:
-    """t_target(B, N) ≈ c0 + c1·B + c2·B·N, non-negative coefficients."""
+def moe_shape(config: dict) -> tuple[int, int] | None:
+    """(routed experts, experts per token) of an MoE target's config, or None for a dense one."""
+    experts = next((config[k] for k in ("n_routed_experts", "num_local_experts", "num_experts")
+                    if config.get(k)), None)
+    top_k = config.get("num_experts_per_tok") or config.get("moe_top_k")
+    return (int(experts), int(top_k)) if experts and top_k and top_k < experts else None
 
-    def __init__(self):
-        self.gram = np.zeros((3, 3))
-        self.moment = np.zeros(3)
-        self._coef = np.zeros(3)
+
+def distinct_experts(moe: tuple[int, int] | None, tokens: int) -> float:
+    """Expected distinct experts an MoE layer reads for `tokens` independently routed tokens,
+    in units of one token's (1 at one token, at most experts ÷ top-k); 0 when dense."""
+    if moe is None:
+        return 0.0
+    experts, top_k = moe
+    return experts * (1.0 - (1.0 - top_k / experts) ** tokens) / top_k
+
+
+class ForwardCostModel:
+    """t_target(B, N) ≈ c0 + c1·B + c2·B·N + c3·X(B·N), non-negative coefficients; X (see
+    distinct_experts) only for an MoE target."""
+
+    def __init__(self, moe: tuple[int, int] | None = None):
+        self.moe = moe
+        self.gram = np.zeros((4, 4))
+        self.moment = np.zeros(4)
+        self._coef = np.zeros(4)
         self._stale = 0  # observations since the last solve (solved when next needed)
         self.num_observations = 0
 
-    @staticmethod
-    def features(rows: int, window: int) -> np.ndarray:
-        return np.array([1.0, rows, rows * window])
+    def features(self, rows: int, window: int) -> np.ndarray:
+        return np.array([1.0, rows, rows * window, distinct_experts(self.moe, rows * window)])
 
     @property
     def coef(self) -> np.ndarray:
@@ -93,8 +113,8 @@ def _nonnegative_solve(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
 
 
 class BatchPlanner:
-    def __init__(self):
-        self.forward = ForwardCostModel()
+    def __init__(self, moe: tuple[int, int] | None = None):
+        self.forward = ForwardCostModel(moe)
         # Seconds per draft-chain step of a method's whole group: a + b·rows (proposers draft
         # for all their rows in one forward per chain step).
         self.chain_cost: dict[str, tuple[float, float]] = {}
@@ -170,7 +190,9 @@ class BatchPlanner:
         c = self.forward.coef
         return {
             "forward_ms": {"base": round(float(c[0]) * 1e3, 4), "per_row": round(float(c[1]) * 1e3, 4),
-                           "per_position": round(float(c[2]) * 1e3, 5)},
+                           "per_position": round(float(c[2]) * 1e3, 5),
+                           **({"per_expert_read": round(float(c[3]) * 1e3, 5)} if self.forward.moe else {})},
+            "moe": list(self.forward.moe) if self.forward.moe else None,
             "draft_chain_step_ms": {m: {"base": round(a * 1e3, 4), "per_row": round(b * 1e3, 5)}
                                     for m, (a, b) in self.chain_cost.items()},
             "row_overhead_ms": round(self.row_overhead * 1e3, 4),

@@ -25,11 +25,12 @@ from .stats import SpecStats
 
 
 class Speculator:
-    def __init__(self, make_group: Callable[[str], ProposerGroup], settings, vocab_size: int):
+    def __init__(self, make_group: Callable[[str], ProposerGroup], settings, vocab_size: int,
+                 moe: tuple[int, int] | None = None):
         self.make_group = make_group  # method -> a fresh group for every row of that method
         self.settings = settings  # the profile's SpeculativeConfig
         self.vocab_size = vocab_size
-        self.planner = BatchPlanner()
+        self.planner = BatchPlanner(moe)  # moe: an MoE target's (experts, top-k), for step costs
         self.groups: dict[str, ProposerGroup] = {}
         # Acceptance per draft position by method, across requests: a new request starts here.
         self.priors: dict[str, AcceptancePrior] = {}
