@@ -11,6 +11,8 @@ import mlx.core as mx
 from macspec.sampling import SamplingParams
 from macspec.proposers import PROPOSER_NAMES
 
+from macspec.engine.engine import Engine
+
 from .conftest import engine_for, generate
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server/process
@@ -190,3 +192,18 @@ def test_stop_strings_cut_speculative_text_where_plain_stops(prompts, runtime_fo
             for method in ("draft", "mtp", "ngram"):
                 for k in (1, 4, 8):
                     assert complete(prompt, method, k, [stop]) == expected, (method, k)
+
+
+def test_mtp_rows_keep_their_prefix_states_when_other_rows_extend_the_entry(runtime_for, prompts):
+    """A conversation's turns alternate between an MTP row and a row without a head: the head's
+    states stay with the prefix (a draft or plain row's longer entry inherits them), so the next
+    MTP turn reuses the cache instead of prefilling from scratch; its output equals plain's."""
+    runtime = runtime_for("mtp")
+    engine = Engine(runtime, max_batch=4)
+    first = engine.generate([prompts[0]], PLAIN, 16, method="mtp")[0]
+    turn2 = prompts[0] + first.tokens + prompts[1][:8]
+    second = engine.generate([turn2], PLAIN, 16, method="none")[0]
+    turn3 = turn2 + second.tokens + prompts[2][:8]
+    third = engine.generate([turn3], PLAIN, 16, method="mtp")[0]
+    assert third.stats["cached_prompt_tokens"] >= len(prompts[0]) + len(first.tokens) - 1, third.stats
+    assert third.tokens == engine.generate([turn3], PLAIN, 16, method="none")[0].tokens

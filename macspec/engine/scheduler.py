@@ -180,6 +180,8 @@ class Scheduler:
         entry id to store under (or NO_ENTRY); it goes to disk at the next admission."""
         if not self.prefix_cache.max_bytes:
             return NO_ENTRY
+        if states is None:  # keep what an entry this one replaces kept for MTP rows
+            states = self._covered_states(tokens)
         entry, dropped = self.prefix_cache.store(tokens, nbytes + (states.nbytes if states is not None else 0))
         if dropped:
             self._drop_prefixes(dropped)
@@ -188,6 +190,17 @@ class Scheduler:
         if entry is not None and persist and self.runner.disk is not None:
             self.to_persist.append((entry, list(tokens)))
         return NO_ENTRY if entry is None else entry
+
+    def _covered_states(self, tokens: list[int]) -> mx.array | None:
+        """The longest target states kept by a stored prefix of `tokens` (an MTP row's entry,
+        which storing `tokens` replaces): states are a property of the prefix, so a row without
+        a head (draft, plain) extending a conversation keeps them for the next MTP turn."""
+        best = None
+        for key in self.prefix_cache.tree.keys_on_path(tuple(tokens)):
+            states = self.prefix_states.get(self.prefix_cache.entries[key][0])
+            if states is not None and (best is None or states.shape[0] > best.shape[0]):
+                best = states
+        return best
 
     def persist(self) -> None:
         """Entries stored since the last admission go to disk between steps (at admission, or
