@@ -207,3 +207,13 @@ def test_mtp_rows_keep_their_prefix_states_when_other_rows_extend_the_entry(runt
     third = engine.generate([turn3], PLAIN, 16, method="mtp")[0]
     assert third.stats["cached_prompt_tokens"] >= len(prompts[0]) + len(first.tokens) - 1, third.stats
     assert third.tokens == engine.generate([turn3], PLAIN, 16, method="none")[0].tokens
+
+
+def test_an_mtp_row_gives_its_states_to_the_same_prompt_stored_without_them(runtime_for, prompts):
+    """A plain row stored a prompt's KV first; an MTP row with that prompt adds its states to
+    the entry, so the next MTP row with it starts from the cache."""
+    runtime = runtime_for("mtp")
+    engine = Engine(runtime, max_batch=4)
+    outputs = [engine.generate([prompts[3]], PLAIN, 1, method=m)[0] for m in ("none", "mtp", "mtp")]
+    assert [c.stats["cached_prompt_tokens"] for c in outputs] == [0, 0, len(prompts[3]) - 1]
+    assert len({tuple(c.tokens) for c in outputs}) == 1

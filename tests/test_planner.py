@@ -55,7 +55,7 @@ def test_useless_drafts_turn_off_then_probe_with_backoff():
     planner = planner_with(base_s=0.01, per_row_s=0.0, per_position_s=0.001, draft_s=0.004)
     row = RowController(4, True, "draft", probe_min_steps=8, probe_max_steps=32)
     intervals, probing_steps = [], 0
-    for step in range(400):
+    for step in range(800):  # a probe costs ~0.9 of a step here: at most one per ~180 steps
         k = planner.plan([row])[0]
         row.observe(k, 0, planner.pays_alone(row))
         if row.state == "probing":
@@ -87,3 +87,30 @@ def test_moe_cost_model_fits_expert_reads_and_turns_k_down_where_windows_cost_th
     assert planners["moe"].forward.predict(1, 4) / planners["moe"].forward.predict(1, 1) > 2.5
     ks = {name: p.plan(rows(1, alpha=0.6)) for name, p in planners.items()}
     assert ks["dense"][0] >= 2 and ks["moe"][0] == 0, ks
+
+
+def test_off_rows_probe_together_within_the_budget():
+    """Four rows whose drafts never pass, on a target where a wider window costs the batch:
+    their probes start in the same steps (one widened window, not four), and the probe steps'
+    extra cost stays within PROBE_BUDGET of the decoding time."""
+    from macspec.spec.controller import PROBE_STEPS
+    from macspec.spec.planner import PROBE_BUDGET
+
+    planner = planner_with(base_s=0.01, per_row_s=0.0, per_position_s=0.004, draft_s=0.0005)
+    batch = rows(4, alpha=0.1)  # off from their first observation: drafts that never pass
+    for row in batch:
+        row.probe_min_steps = row.probe_interval = 8
+    probe_steps, extra_s, total_s = [], 0.0, 0.0
+    for step in range(3000):
+        ks = planner.plan(batch)
+        for row, k in zip(batch, ks):
+            row.observe(k, 0, planner.pays_alone(row))
+        window = max(ks) + 1
+        cost = planner.step_cost(4, window, 0.0)
+        total_s += cost
+        extra_s += cost - planner.step_cost(4, 1, 0.0)
+        if window > 1:
+            probe_steps.append((step, tuple(k > 0 for k in ks)))
+    assert probe_steps and all(all(on) for _, on in probe_steps), probe_steps[:8]
+    assert len(probe_steps) % PROBE_STEPS == 0
+    assert extra_s / total_s <= PROBE_BUDGET * 1.1, (extra_s / total_s, len(probe_steps))

@@ -182,6 +182,8 @@ class Scheduler:
             return NO_ENTRY
         if states is None:  # keep what an entry this one replaces kept for MTP rows
             states = self._covered_states(tokens)
+        elif self._attach_states(tokens, states):
+            return NO_ENTRY
         entry, dropped = self.prefix_cache.store(tokens, nbytes + (states.nbytes if states is not None else 0))
         if dropped:
             self._drop_prefixes(dropped)
@@ -190,6 +192,18 @@ class Scheduler:
         if entry is not None and persist and self.runner.disk is not None:
             self.to_persist.append((entry, list(tokens)))
         return NO_ENTRY if entry is None else entry
+
+    def _attach_states(self, tokens: list[int], states: mx.array) -> bool:
+        """`tokens` are stored already, by a row without a head: give that entry these states
+        (an MTP row's), so the next MTP row reuses it too -> whether it was stored."""
+        entry = self.prefix_cache.add_bytes(tokens, 0)
+        if entry is None:
+            return False
+        kept = self.prefix_states.get(entry)
+        if kept is None or kept.shape[0] < states.shape[0]:
+            self.prefix_cache.add_bytes(tokens, states.nbytes - (kept.nbytes if kept is not None else 0))
+            self.prefix_states[entry] = states
+        return True
 
     def _covered_states(self, tokens: list[int]) -> mx.array | None:
         """The longest target states kept by a stored prefix of `tokens` (an MTP row's entry,

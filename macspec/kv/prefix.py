@@ -61,6 +61,17 @@ class PrefixCache:
         """Free the least recently used entry (memory pressure) -> its id."""
         return self._drop(next(iter(self.entries))) if self.entries else None
 
+    def add_bytes(self, tokens: list[int], nbytes: int) -> int | None:
+        """Count `nbytes` more for the entry of exactly `tokens` (states attached later) -> its
+        id, or None when there is no such entry."""
+        key = tuple(tokens)
+        if key not in self.entries:
+            return None
+        entry, held = self.entries[key]
+        self.entries[key] = (entry, held + nbytes)
+        self.nbytes += nbytes
+        return entry
+
     def forget(self, tokens: list[int]) -> int | None:
         """Drop the entry for exactly `tokens` (an entry whose KV could not be loaded) -> its id."""
         return self._drop(tuple(tokens)) if tuple(tokens) in self.entries else None

@@ -5,6 +5,8 @@ measured costs; this module holds what belongs to one row.
 E(k) = sum_{j=0..k} prod_{i<=j} alpha_i (alpha_0 = 1) tokens per step. A row whose acceptance
 makes speculation a loss even with the batch to itself turns "off"; a probe retries it after P
 of its steps, P doubling up to a cap while probes fail, back to the minimum when one succeeds.
+A row whose wait is over is "due": the planner starts due rows' probes together, when the
+batch can afford the wider window (planner.py), never one row at a time.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class RowController:
     num_probes: int = 0
     probe_intervals: list[int] = field(default_factory=list)  # each wait before a probe, in order
     last_k: int = 0
+    probe_due: bool = False  # waited its interval; the planner starts the probe
+    probe_k: int = 2
     prior: list[float] | None = None  # the method's acceptance so far across requests
     first_probe_interval: int | None = None  # the method's probe backoff so far, if any
 
@@ -63,15 +67,20 @@ class RowController:
         if not self.adaptive or self.k_max == 0:
             return self.k_max
         if self.probe_left:
-            return min(self.k_max, 2)
+            return min(self.k_max, self.probe_k)
         if self.is_off:
-            self.steps_until_probe -= 1
-            if self.steps_until_probe > 0:
-                return 0
-            self.num_probes += 1
-            self.probe_left = PROBE_STEPS
-            return min(self.k_max, 2)
+            self.steps_until_probe = max(0, self.steps_until_probe - 1)
+            self.probe_due = self.steps_until_probe == 0
+            return 0
         return None
+
+    def start_probe(self, k: int) -> int:
+        """The planner's go for a due row: PROBE_STEPS steps at k drafts -> k."""
+        self.probe_due = False
+        self.num_probes += 1
+        self.probe_left = PROBE_STEPS
+        self.probe_k = k
+        return min(self.k_max, k)
 
     def observe(self, k: int, accepted: int, pays_alone: bool) -> None:
         """After a step: k drafted, `accepted` taken; `pays_alone` = speculation beats plain

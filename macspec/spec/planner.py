@@ -10,7 +10,10 @@ overhead (acceptance, bookkeeping). The plan maximises the batch's
 expected committed tokens per second, sum_i E_i(k_i) / cost. Verifying B·(k+1) positions grows
 with B, so k falls as the batch fills, to 0 when it no longer pays; no batch-size rule.
 
-Rows whose acceptance makes speculation a loss even alone are "off" (controller.py).
+Rows whose acceptance makes speculation a loss even alone are "off" (controller.py). Their
+probes widen the whole batch's window, which on MoE targets costs the batch nearly a step per
+probe step: due rows probe together, and only as often as keeps probes under PROBE_BUDGET of
+the decoding time at the current batch's measured costs.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import math
 
 import numpy as np
 
-from .controller import RowController, expected_tokens
+from .controller import PROBE_STEPS, RowController, expected_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +32,7 @@ RIDGE = 1e-6  # fixed, relative to the Gram matrix's scale: identical observatio
 EWMA = 0.1
 RESOLVE_EVERY = 16  # observations between solves of the forward-cost fit
 NEAR_TIE = 1.02  # prefer the smaller k unless the larger is 2% better
+PROBE_BUDGET = 0.02  # the share of decoding time probes of "off" rows may cost the batch
 
 
 def moe_shape(config: dict) -> tuple[int, int] | None:
@@ -119,6 +123,7 @@ class BatchPlanner:
         # for all their rows in one forward per chain step).
         self.chain_cost: dict[str, tuple[float, float]] = {}
         self.row_overhead = 0.0
+        self.steps_since_probe = 1 << 30  # the first due probe may start at once
 
     def proposer_cost(self, method: str, rows: int = 1) -> float:
         """Seconds per chain step of `method` drafting for `rows` rows at once."""
@@ -165,6 +170,7 @@ class BatchPlanner:
         batch's expected tokens per second. Inside the window a drafting row takes all the k it
         may: its chain runs that deep for its group anyway and the window is paid for."""
         forced = [row.forced_k() for row in rows]
+        self._start_due_probes(rows, forced)
         free = [i for i, f in enumerate(forced) if f is None]
         if not free:
             return [int(f) for f in forced]
@@ -181,6 +187,23 @@ class BatchPlanner:
                 if rate > best_rate * NEAR_TIE:
                     best_ks, best_rate = ks, rate
         return best_ks
+
+    def _start_due_probes(self, rows: list[RowController], forced: list) -> None:
+        """Due rows probe together once the batch has decoded long enough since the last probe
+        for PROBE_STEPS steps at the probe's window to stay within PROBE_BUDGET."""
+        self.steps_since_probe += 1
+        due = [i for i, row in enumerate(rows) if row.probe_due]
+        if not due:
+            return
+        k = 1 if self.forward.moe else 2  # on MoE every extra position reads more experts
+        plain = self.step_cost(len(rows), 1, 0.0)
+        probe = self.step_cost(len(rows), k + 1, max(self.proposer_cost(rows[i].method, len(due)) for i in due) * k)
+        extra_steps = PROBE_STEPS * max(0.0, probe / plain - 1.0)
+        if self.steps_since_probe * PROBE_BUDGET < extra_steps:
+            return
+        self.steps_since_probe = 0
+        for i in due:
+            forced[i] = rows[i].start_probe(k)
 
     def _rate(self, rows, ks) -> float:
         gain = sum(expected_tokens(r.alphas, k) for r, k in zip(rows, ks))
