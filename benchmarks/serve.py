@@ -161,6 +161,8 @@ def main() -> None:
     ap.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx_lm.server rows")
     ap.add_argument("--json-out")
     ap.add_argument("--target", default="tiny-wide", choices=("tiny", "tiny-wide", "tiny-moe", "smollm2"))
+    ap.add_argument("--fixed-k", default="", help="more variants at a fixed k, e.g. 1,2,3 (the "
+                    "profile's method, adaptive off): the best fixed k to compare adaptive with")
     ap.add_argument("--methods", default="", help="more macspec variants on the same server, e.g. "
                     "mtp,ngram (each its own row beside the profile's method)")
     ap.add_argument("--draft", default="distilled", choices=("distilled", "random"))
@@ -206,6 +208,8 @@ def main() -> None:
     # One server per entry; its variants (request extras) run alternately on it, so spec on and
     # spec off are measured side by side on the same warm server.
     more = [(f"macspec {m}", {"speculative": {"method": m}}) for m in args.methods.split(",") if m]
+    more += [(f"macspec k={k}", {"speculative": {"num_draft_tokens": int(k), "adaptive": False}})
+             for k in args.fixed_k.split(",") if k]
     servers = [("macspec", [py, "-m", "macspec", "serve", "--profile", str(profile)], "/health",
                 [("macspec spec on", {}), ("macspec spec off", {"speculative": {"method": "none"}}), *more])]
     if not args.no_mlx_lm:

@@ -19,7 +19,10 @@ from ..monitor.memory import compute_dtype_bytes, kv_bytes_per_token as model_kv
 from ..progress import phase
 from .base import ChainGroup, ChainRow, pad_rows
 
-MAX_PENDING_ROWS = 2048  # hidden rows buffered per row while its group does not draft
+# Hidden rows buffered per row while its group does not draft. A probe makes every row of the
+# group catch up at once, padded to the longest backlog, and on an MoE head each fed state reads
+# experts: a row idle longer feeds only its last 16 (RoPE is relative; the head's KV has a gap).
+MAX_PENDING_ROWS = 16
 
 
 def load(runtime, method: str, fallback: bool = True) -> None:
