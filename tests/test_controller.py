@@ -100,7 +100,14 @@ def test_random_draft_is_turned_off_quickly_then_probed_with_backoff(tmp_path):
     assert controller["turned_off"] >= 1
     # Off within a bounded number of steps: few speculative steps before the first probe.
     assert spec["speculative_steps"] <= 12 + 4 * controller["probes"]
-    assert controller["probe_intervals"][:3] == [8, 16, 32]
+    # Backoff: a failed probe doubles the wait (capped at 32), a successful one resets it to 8
+    # and the row is turned off again later. Which probes a random draft passes depends on where
+    # in the text the planner's probe budget lets them start, so the rule is checked, not a list.
+    intervals = controller["probe_intervals"]
+    assert intervals[0] == 8 and 16 in intervals
+    for before, after in zip(intervals, intervals[1:]):
+        assert after in (min(2 * before, 32), 8)
+    assert intervals.count(8) == controller["turned_off"]
     assert spec["acceptance_rate"] < 0.2
 
 
