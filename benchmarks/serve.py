@@ -13,8 +13,9 @@ since it cannot use an MTP head); --target tiny-wide is the bandwidth-bound stan
 distilled draft for one with random weights (a useless proposer: speculation must not cost).
 macspec's rows also report host syncs per decode step and the mean k from /v1/status.
 
-  python benchmarks/serve.py [--target tiny|tiny-wide|smollm2] [--draft distilled|random]
+  python benchmarks/serve.py [--target tiny|tiny-wide|tiny-moe|smollm2] [--draft distilled|random]
       [--temperature 0] [--quick] [--concurrency 1,4,8,16] [--max-tokens 64] [--json-out F]
+      [--methods mtp,ngram] [--fixed-k 0,1,2,3] [--tensor-parallel 2 --no-mlx-lm]
 """
 
 from __future__ import annotations
@@ -168,6 +169,8 @@ def main() -> None:
     ap.add_argument("--draft", default="distilled", choices=("distilled", "random"))
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--repeats", type=int, default=2, help="alternating repeats per level (mean)")
+    ap.add_argument("--tensor-parallel", type=int, default=1, help="macspec over N local ranks "
+                    "(ring over 127.0.0.1; mlx_lm.server has no TP: use with --no-mlx-lm)")
     ap.add_argument("--threads", type=int, help="OPENBLAS_NUM_THREADS for every server (a fair "
                     "serving-overhead comparison on a machine with other load)")
     args = ap.parse_args()
@@ -201,7 +204,10 @@ def main() -> None:
     profile.write_text(f'name = "bench"\n[model]\npath = "{target}"\ndtype = "float32"\nchat = false\n'
                        f'[speculative]\n{method}'
                        f'num_draft_tokens = {args.num_draft}\n[kv]\nmax_context = 4096\n'
-                       f'[server]\nmax_batch = {max(levels)}\nmax_queue = 256\n')
+                       f'[server]\nmax_batch = {max(levels)}\nmax_queue = 256\n'
+                       + (f'[parallel]\ntensor_parallel = {args.tensor_parallel}\nbackend = "ring"\n'
+                          f'hosts = {json.dumps(["127.0.0.1"] * args.tensor_parallel)}\n'
+                          if args.tensor_parallel > 1 else ''))
     py = sys.executable
     mlx_lm_cmd = [py, "-c", "import macspec, runpy, sys; sys.argv = sys.argv[1:]; "
                   "runpy.run_module('mlx_lm.server', run_name='__main__')", "mlx_lm.server"]
