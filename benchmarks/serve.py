@@ -135,6 +135,14 @@ async def scenario(url: str, concurrency: int, rounds: int, texts: list[str], ex
             "ttft_p95_ms": round(1e3 * ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))], 1) if ttfts else None}
 
 
+def fixed_k_variant(entry: str) -> tuple[str, dict]:
+    """--fixed-k entry "3" (the profile's method) or "mtp:3" -> (row label, request extras)."""
+    method, _, k = entry.rpartition(":")
+    label = f"macspec {method + ' ' if method else ''}k={k}"
+    return label, {"speculative": {**({"method": method} if method else {}), "num_draft_tokens": int(k),
+                                   "adaptive": False}}
+
+
 def mean_row(rows: list[dict]) -> dict:
     """Throughput averaged over the repeats (the other figures from the last one)."""
     row = dict(rows[-1])
@@ -163,7 +171,7 @@ def main() -> None:
     ap.add_argument("--json-out")
     ap.add_argument("--target", default="tiny-wide", choices=("tiny", "tiny-wide", "tiny-moe", "smollm2"))
     ap.add_argument("--fixed-k", default="", help="more variants at a fixed k, e.g. 1,2,3 (the "
-                    "profile's method, adaptive off): the best fixed k to compare adaptive with")
+                    "profile's method, adaptive off) or mtp:1,mtp:2 (another method's): the best fixed k to compare adaptive with")
     ap.add_argument("--methods", default="", help="more macspec variants on the same server, e.g. "
                     "mtp,ngram (each its own row beside the profile's method)")
     ap.add_argument("--draft", default="distilled", choices=("distilled", "random"))
@@ -214,8 +222,7 @@ def main() -> None:
     # One server per entry; its variants (request extras) run alternately on it, so spec on and
     # spec off are measured side by side on the same warm server.
     more = [(f"macspec {m}", {"speculative": {"method": m}}) for m in args.methods.split(",") if m]
-    more += [(f"macspec k={k}", {"speculative": {"num_draft_tokens": int(k), "adaptive": False}})
-             for k in args.fixed_k.split(",") if k]
+    more += [fixed_k_variant(entry) for entry in args.fixed_k.split(",") if entry]
     servers = [("macspec", [py, "-m", "macspec", "serve", "--profile", str(profile)], "/health",
                 [("macspec spec on", {}), ("macspec spec off", {"speculative": {"method": "none"}}), *more])]
     if not args.no_mlx_lm:

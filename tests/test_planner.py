@@ -114,3 +114,22 @@ def test_off_rows_probe_together_within_the_budget():
     assert probe_steps and all(all(on) for _, on in probe_steps), probe_steps[:8]
     assert len(probe_steps) % PROBE_STEPS == 0
     assert extra_s / total_s <= PROBE_BUDGET * 1.1, (extra_s / total_s, len(probe_steps))
+
+
+@pytest.mark.slow
+def test_a_model_proposer_first_asked_for_by_a_request_is_timed_when_its_group_is_made():
+    """Only the profile's proposer is timed at start; a chain runs inside the step's one sync, so
+    an MTP head loaded for a request would look free to the planner unless timed on arrival."""
+    from macspec.config import load_profile
+    from macspec.engine.engine import Engine
+    from macspec.engine.runtime import Runtime
+
+    runtime = Runtime.load(load_profile("tiny"))  # its proposer: the draft
+    engine = Engine(runtime)
+    engine.calibrate()
+    costs = engine.speculator.planner.chain_cost
+    assert "draft" in costs and "mtp" not in costs
+    runtime.ensure_method("mtp")
+    assert engine.speculator.group("mtp") is not None
+    base, per_row = costs["mtp"]
+    assert base + per_row > 0 and per_row >= 0

@@ -1,6 +1,8 @@
 """Seed the planner's cost model at start: the target forward at a few (rows, window) shapes,
 and the proposer's chain step at one row and at four, so the first requests plan from
-measurements instead of guesses (the model refines itself online after that)."""
+measurements instead of guesses (the model refines itself online after that). A model proposer
+first asked for by a request (not the profile's) is timed when its group is made: its chain
+runs inside the step's one sync, so nothing times it online, and an untimed chain looks free."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ def calibrate(speculator: Speculator, runner, method: str, max_batch: int, width
                 speculator.planner.forward.observe(rows, window, seconds)
     if method != proposers.PLAIN:
         speculator.guarded("cost_model", _calibrate_chain, speculator, method, k_max, width, drop=method)
+    speculator.calibrate_chain = lambda other: _calibrate_chain(speculator, other, k_max, width)
     costs = speculator.planner.as_dict()
     logger.info("calibrated step costs (ms): target %s, draft chain %s", costs["forward_ms"],
                 costs["draft_chain_step_ms"])
@@ -42,15 +45,17 @@ def _calibrate_chain(speculator: Speculator, method: str, k_max: int, width: int
         if not isinstance(group, ChainGroup):  # host proposers are timed as they run
             return
         committed = list(range(1, 18))
-        hidden = mx.zeros((16, width)) if group.needs_hidden else None
+        # Random states, not zeros: an MoE head routes zeros of every row to the same experts.
+        states = mx.random.normal((16 + 3 * count, width), key=mx.random.key(count))
+        hidden = states[:16] if group.needs_hidden else None
         for key in range(count):
             group.join(key, committed, hidden)
         times = []
-        for _ in range(3):
+        for repeat in range(3):
             rows = [ChainRow(key, RowContext(SamplingParams(), committed), k_max, Rng(0))
                     for key in range(count)]
             for key in range(count):
-                group.observe(key, mx.zeros((1, width)))
+                group.observe(key, states[16 + 3 * key + repeat][None])
             t0 = time.perf_counter()
             drafts = group.propose(rows)
             mx.eval([d.tokens for d in drafts.values()], group.cache_arrays())

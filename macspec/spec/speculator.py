@@ -39,6 +39,8 @@ class Speculator:
         self.probe_intervals: dict[str, int] = {}
         self.totals: dict[str, SpecStats] = {}
         self.faults = SpecFaults()
+        # method -> times its chain into the planner (set by calibration; None: not calibrated).
+        self.calibrate_chain: Callable[[str], None] | None = None
 
     # ---- a new request -----------------------------------------------------------------------
     def group(self, method: str) -> ProposerGroup | None:
@@ -46,7 +48,9 @@ class Speculator:
             return None
         if method not in self.groups:
             self.groups[method] = self.make_group(method)
-        return self.groups[method]
+            if self.calibrate_chain is not None and method not in self.planner.chain_cost:
+                self.guarded("cost_model", self.calibrate_chain, method)
+        return self.groups.get(method)
 
     def controller(self, method: str, k_max: int, adaptive: bool) -> RowController:
         prior = self.priors.get(method)
