@@ -48,6 +48,9 @@ class Drafts:
 class ProposerGroup(ABC):
     method: str = "base"
     needs_hidden: bool = False  # wants the target's hidden states after every forward
+    # Drafts built lazily and evaluated in the step's one sync: timed by calibration (see
+    # calibrate.py), since timing propose() would see only the graph being built.
+    lazy_chain: bool = False
 
     @abstractmethod
     def join(self, key: int, committed: list[int], prompt_hidden: mx.array | None,
@@ -85,6 +88,8 @@ class ProposerGroup(ABC):
 class ChainGroup(ProposerGroup):
     """A model proposer over a batched KV: step 0 feeds each row what it has not seen yet,
     then each chain step feeds every row its own previous draft."""
+
+    lazy_chain = True
 
     def __init__(self, kv: BatchKV, vocab_size: int):
         self.kv = kv

@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from .. import proposers
 from ..sampling import Rng, RowContext, SamplingParams
-from .base import ChainGroup, ChainRow
+from .base import ChainRow
 from .speculator import Speculator
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def _calibrate_chain(speculator: Speculator, method: str, k_max: int, width: int
     seconds = {}
     for count in (1, 4):
         group = speculator.make_group(method)
-        if not isinstance(group, ChainGroup):  # host proposers are timed as they run
+        if not group.lazy_chain:  # host proposers are timed as they run
             return
         committed = list(range(1, 18))
         # Random states, not zeros: an MoE head routes zeros of every row to the same experts.

@@ -18,7 +18,7 @@ import mlx.core as mx
 from .. import faults, proposers
 from ..faults import SpecFaults
 from ..sampling import RowContext
-from .base import ChainGroup, ChainRow, Drafts, ProposerGroup
+from .base import ChainRow, Drafts, ProposerGroup
 from .controller import AcceptancePrior, RowController
 from .planner import BatchPlanner
 from .stats import SpecStats
@@ -89,7 +89,7 @@ class Speculator:
             drafts = self.guarded("propose", self._checked_drafts, group, chain, drop=method)
             if drafts is None:
                 continue
-            if not isinstance(group, ChainGroup):  # host proposers are timed here
+            if not group.lazy_chain:  # host proposers are timed here
                 self.guarded("cost_model", self.planner.observe_proposer, method,
                              max(ks[i] for i, _ in members), time.perf_counter() - t0)
             for i, s in members:
