@@ -51,6 +51,7 @@ class ProposerGroup(ABC):
     # Drafts built lazily and evaluated in the step's one sync: timed by calibration (see
     # calibrate.py), since timing propose() would see only the graph being built.
     lazy_chain: bool = False
+    max_chain: int | None = None  # the deepest its chain runs for any k (None: k itself)
 
     @abstractmethod
     def join(self, key: int, committed: list[int], prompt_hidden: mx.array | None,

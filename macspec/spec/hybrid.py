@@ -62,6 +62,7 @@ class HybridGroup(ProposerGroup):
         self.model_k_max = model_k_max  # the model drafts at most this deep (suffix: up to k)
         self.needs_hidden = model.needs_hidden
         self.lazy_chain = model.lazy_chain  # its model's chain is what a drafting step costs
+        self.max_chain = model_k_max  # drafts beyond it are the suffix's
         self.choices: dict[int, RowChoice] = {}
 
     @property

@@ -123,12 +123,19 @@ class BatchPlanner:
         # for all their rows in one forward per chain step).
         self.chain_cost: dict[str, tuple[float, float]] = {}
         self.row_overhead = 0.0
+        # method -> the deepest its chain runs whatever k (a hybrid's model drafts at most its
+        # own k; deeper drafts come from its suffix index, free of chain steps).
+        self.chain_caps: dict[str, int] = {}
         self.steps_since_probe = 1 << 30  # the first due probe may start at once
 
     def proposer_cost(self, method: str, rows: int = 1) -> float:
         """Seconds per chain step of `method` drafting for `rows` rows at once."""
         a, b = self.chain_cost.get(method, (0.0, 0.0))
         return a + b * rows
+
+    def chain_seconds(self, method: str, k: int, rows: int = 1) -> float:
+        """Seconds `method` spends drafting k tokens for `rows` rows at once."""
+        return self.proposer_cost(method, rows) * min(k, self.chain_caps.get(method, k))
 
     def observe_proposer(self, method: str, tokens: int, seconds: float) -> None:
         """A measured chain of `tokens` steps (one row's worth; the per-row slope is kept)."""
@@ -149,7 +156,7 @@ class BatchPlanner:
         for row, k in zip(rows, ks):
             members[row.method] = members.get(row.method, 0) + 1
             depth[row.method] = max(depth.get(row.method, 0), k)
-        return sum(self.proposer_cost(m, members[m]) * k for m, k in depth.items() if k)
+        return sum(self.chain_seconds(m, k, members[m]) for m, k in depth.items() if k)
 
     def observe_step(self, rows: int, window: int, forward_s: float, rest_s: float) -> None:
         self.forward.observe(rows, window, forward_s)
@@ -160,9 +167,9 @@ class BatchPlanner:
 
     def pays_alone(self, row: RowController) -> bool:
         """Does this row's best k, with the batch to itself, beat plain decoding?"""
-        cost = self.proposer_cost(row.method)
         plain = 1.0 / self.step_cost(1, 1, 0.0)
-        return any(expected_tokens(row.alphas, k) / self.step_cost(1, k + 1, cost * k) > plain * NEAR_TIE
+        return any(expected_tokens(row.alphas, k) / self.step_cost(1, k + 1, self.chain_seconds(row.method, k))
+                   > plain * NEAR_TIE
                    for k in range(1, row.k_max + 1))
 
     def plan(self, rows: list[RowController]) -> list[int]:
@@ -197,7 +204,7 @@ class BatchPlanner:
             return
         k = 1 if self.forward.moe else 2  # on MoE every extra position reads more experts
         plain = self.step_cost(len(rows), 1, 0.0)
-        probe = self.step_cost(len(rows), k + 1, max(self.proposer_cost(rows[i].method, len(due)) for i in due) * k)
+        probe = self.step_cost(len(rows), k + 1, max(self.chain_seconds(rows[i].method, k, len(due)) for i in due))
         extra_steps = PROBE_STEPS * max(0.0, probe / plain - 1.0)
         if self.steps_since_probe * PROBE_BUDGET < extra_steps:
             return

@@ -48,6 +48,8 @@ class Speculator:
             return None
         if method not in self.groups:
             self.groups[method] = self.make_group(method)
+            if self.groups[method].max_chain is not None:
+                self.planner.chain_caps[method] = self.groups[method].max_chain
             if self.calibrate_chain is not None and method not in self.planner.chain_cost:
                 self.guarded("cost_model", self.calibrate_chain, method)
         return self.groups.get(method)
