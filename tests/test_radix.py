@@ -46,3 +46,19 @@ def test_prefix_cache_drops_covered_entries_and_evicts_lru():
     assert dropped == [second]  # least recently used goes first
     assert cache.lookup([1, 2, 3, 4, 5]) == (0, None)
     assert cache.lookup([9, 9, 9, 9, 9, 1]) == (5, third)
+
+
+def test_a_row_needing_states_takes_the_entry_that_kept_them():
+    """Sampled answers to one prompt are stored side by side; only one came from an MTP row and
+    kept the head's states. An MTP row must take that one, not whichever the tree reaches first."""
+    cache = PrefixCache(max_bytes=10_000)
+    prompt = list(range(10, 40))
+    plain = [cache.store(prompt + [1, answer, 2, 3], 10)[0] for answer in (5, 6, 7)]
+    with_states, _ = cache.store(prompt + [1, 8, 2], 10)
+    kept = {with_states: len(prompt) + 3}
+    assert cache.lookup(prompt + [99], usable=lambda entry: kept.get(entry, 0)) == (len(prompt), with_states)
+    assert cache.lookup(prompt + [1, 8, 2, 4], usable=lambda entry: kept.get(entry, 0)) == (len(prompt) + 3, with_states)
+    # Shorter usable prefixes still count: an ancestor that kept states for part of the prompt.
+    kept = {plain[0]: 12}
+    assert cache.lookup(prompt + [99], usable=lambda entry: kept.get(entry, 0)) == (12, plain[0])
+    assert cache.lookup(prompt + [99], usable=lambda entry: 0) == (0, None)

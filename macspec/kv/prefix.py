@@ -34,7 +34,7 @@ class PrefixCache:
         best_len, best_key = self.tree.longest_match(prompt)
         best_len = min(best_len, len(prompt) - 1)
         if usable is not None and best_key is not None:
-            best_len = min(best_len, usable(self.entries[best_key][0]))
+            best_len, best_key = self._longest_usable(prompt, best_len, usable)
         if best_key is None or best_len < MIN_REUSE:
             self.misses += 1
             return 0, None
@@ -42,6 +42,19 @@ class PrefixCache:
         self.hits += 1
         self.reused_tokens += best_len
         return best_len, self.entries[best_key][0]
+
+    def _longest_usable(self, prompt: list[int], limit: int, usable) -> tuple[int, tuple | None]:
+        """The entry the caller can take most of: under one shared prompt, answers stored by rows
+        without a head's states (other methods, sampled continuations) must not hide one that
+        kept them -- else an MTP row prefills cold behind a warm cache."""
+        best_len, best_key = 0, None
+        for key, shared in self.tree.candidates(prompt):
+            length = min(shared, limit, usable(self.entries[key][0]))
+            if length > best_len:
+                best_len, best_key = length, key
+                if length == limit:
+                    break
+        return best_len, best_key
 
     def store(self, tokens: list[int], nbytes: int) -> tuple[int | None, list[int]]:
         """Admit `tokens` (their KV takes `nbytes`) -> (new entry id or None, ids to drop)."""

@@ -52,6 +52,33 @@ class RadixTree:
             return 0, None
         return depth, self._any_key_below(node)
 
+    def candidates(self, tokens):
+        """(stored key, tokens it shares with `tokens`) for every key sharing a prefix with them:
+        the keys below the deepest match first (they share the most), then its ancestors'."""
+        node, depth = self.root, 0
+        while depth < len(tokens):
+            child = node.children.get(tokens[depth])
+            if child is None:
+                break
+            n = _shared(child.edge, tokens, depth)
+            depth += n
+            node = child
+            if n < len(child.edge):
+                break
+        if node is self.root:
+            return
+        stack = [node]
+        while stack:
+            below = stack.pop()
+            if below.key is not None:
+                yield below.key, min(depth, len(below.key))
+            stack.extend(below.children.values())
+        above = node.parent
+        while above is not None and above is not self.root:
+            if above.key is not None:
+                yield above.key, len(above.key)
+            above = above.parent
+
     def insert(self, key: tuple[int, ...]) -> None:
         node, depth = self.root, 0
         while depth < len(key):
