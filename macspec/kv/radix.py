@@ -38,23 +38,13 @@ class RadixTree:
 
     def longest_match(self, tokens) -> tuple[int, tuple[int, ...] | None]:
         """(length of the longest prefix `tokens` shares with a stored key, one such key)."""
-        node, depth = self.root, 0
-        while depth < len(tokens):
-            child = node.children.get(tokens[depth])
-            if child is None:
-                break
-            n = _shared(child.edge, tokens, depth)
-            depth += n
-            node = child
-            if n < len(child.edge):
-                break
+        node, depth = self._descend(tokens)
         if node is self.root:
             return 0, None
         return depth, self._any_key_below(node)
 
-    def candidates(self, tokens):
-        """(stored key, tokens it shares with `tokens`) for every key sharing a prefix with them:
-        the keys below the deepest match first (they share the most), then its ancestors'."""
+    def _descend(self, tokens) -> tuple[Node, int]:
+        """The deepest node `tokens` reach (its edge maybe matched only in part), and the depth."""
         node, depth = self.root, 0
         while depth < len(tokens):
             child = node.children.get(tokens[depth])
@@ -65,6 +55,12 @@ class RadixTree:
             node = child
             if n < len(child.edge):
                 break
+        return node, depth
+
+    def candidates(self, tokens):
+        """(stored key, tokens it shares with `tokens`) for every key sharing a prefix with them:
+        the keys below the deepest match first (they share the most), then its ancestors'."""
+        node, depth = self._descend(tokens)
         if node is self.root:
             return
         stack = [node]
