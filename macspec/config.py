@@ -270,8 +270,11 @@ def _set_checked(table, name: str, value: Any, where: str, file: str) -> None:
         raise ProfileError(f"{file}: {where} is no longer a profile key: {REMOVED_KEYS[str(where)]}; "
                            "delete it")
     if name not in known:
+        elsewhere = [f"{section}.{name}" for section, cls in SECTIONS.items()
+                     if name in {f.name for f in fields(cls)}]
+        hint = f" (did you mean {' or '.join(elsewhere)}?)" if elsewhere else ""
         raise ProfileError(
-            f"{file}: unknown key {where!s}; allowed keys: {', '.join(sorted(known))}"
+            f"{file}: unknown key {where!s}{hint}; allowed keys: {', '.join(sorted(known))}"
         )
     if isinstance(value, int) and not isinstance(value, bool) and known[name].type in ("float", "float | None"):
         value = float(value)

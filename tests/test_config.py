@@ -37,6 +37,7 @@ def write(tmp_path, text, name="bad.toml"):
 
 @pytest.mark.parametrize("text, fragments", [
     ("[model]\npaht = 'x'\n", ["unknown key model.paht", "allowed keys:", "path"]),
+    ("[server]\nprefix_cache_disk_gb = 2\n", ["unknown key server.prefix_cache_disk_gb (did you mean kv.prefix_cache_disk_gb?)"]),
     ("[speculative]\nnum_draft_tokens = 0\n", ["speculative.num_draft_tokens = 0", "in [1, 32]"]),
     ("[speculative]\nmethod = 'eagle'\n", ["speculative.method = 'eagle'", ", ".join(map(repr, METHODS))]),
     ("[sampling]\ntemperature = 'hot'\n", ["sampling.temperature = 'hot'", "a number"]),
