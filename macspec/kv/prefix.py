@@ -31,10 +31,11 @@ class PrefixCache:
         """(m, entry id) of the longest stored prefix of `prompt`; m <= len(prompt) - 1 so the
         last prompt token is always computed (its logits start the generation). `usable(entry)`
         caps how many of the matched entry's tokens the caller can take (default: all)."""
-        best_len, best_key = self.tree.longest_match(prompt)
-        best_len = min(best_len, len(prompt) - 1)
-        if usable is not None and best_key is not None:
-            best_len, best_key = self._longest_usable(prompt, best_len, usable)
+        if usable is None:
+            best_len, best_key = self.tree.longest_match(prompt)
+            best_len = min(best_len, len(prompt) - 1)
+        else:
+            best_len, best_key = self._longest_usable(prompt, len(prompt) - 1, usable)
         if best_key is None or best_len < MIN_REUSE:
             self.misses += 1
             return 0, None
@@ -48,12 +49,13 @@ class PrefixCache:
         without a head's states (other methods, sampled continuations) must not hide one that
         kept them -- else an MTP row prefills cold behind a warm cache."""
         best_len, best_key = 0, None
-        for key, shared in self.tree.candidates(prompt):
-            length = min(shared, limit, usable(self.entries[key][0]))
+        for key, shared in self.tree.candidates(prompt):  # sharing no more than the one before
+            reach = min(shared, limit)
+            if best_len >= reach:
+                break
+            length = min(reach, usable(self.entries[key][0]))
             if length > best_len:
                 best_len, best_key = length, key
-                if length == limit:
-                    break
         return best_len, best_key
 
     def store(self, tokens: list[int], nbytes: int) -> tuple[int | None, list[int]]:

@@ -58,8 +58,9 @@ class RadixTree:
         return node, depth
 
     def candidates(self, tokens):
-        """(stored key, tokens it shares with `tokens`) for every key sharing a prefix with them:
-        the keys below the deepest match first (they share the most), then its ancestors'."""
+        """(stored key, tokens it shares with `tokens`) for every key sharing a prefix with them,
+        sharing no more than the one before: the keys below the deepest match (all share its
+        depth), then its ancestors' (each shares its own length)."""
         node, depth = self._descend(tokens)
         if node is self.root:
             return
@@ -67,7 +68,7 @@ class RadixTree:
         while stack:
             below = stack.pop()
             if below.key is not None:
-                yield below.key, min(depth, len(below.key))
+                yield below.key, depth
             stack.extend(below.children.values())
         above = node.parent
         while above is not None and above is not self.root:

@@ -47,12 +47,12 @@ class Speculator:
         if method == proposers.PLAIN:
             return None
         if method not in self.groups:
-            self.groups[method] = self.make_group(method)
-            if self.groups[method].max_chain is not None:
-                self.planner.chain_caps[method] = self.groups[method].max_chain
+            group = self.groups[method] = self.make_group(method)
+            if group.max_chain is not None:
+                self.planner.chain_caps[method] = group.max_chain
             if self.calibrate_chain is not None and method not in self.planner.chain_cost:
-                self.guarded("cost_model", self.calibrate_chain, method)
-        return self.groups.get(method)
+                self.guarded("cost_model", self.calibrate_chain, method)  # drops nothing
+        return self.groups[method]
 
     def controller(self, method: str, k_max: int, adaptive: bool) -> RowController:
         prior = self.priors.get(method)
