@@ -94,6 +94,8 @@ class ModelConfig:
 class SpeculativeConfig:
     method: str = spec("ngram", _choice(METHODS), "proposer (ngram needs no extra model)")
     draft_model: str | None = spec(None, _optional(_string), "draft model (method = draft)")
+    eagle3_head: str | None = spec(None, _optional(_string), "EAGLE-3 head dir or Hugging Face id "
+                                   "(method = eagle3; default: the head shipped with the target)")
     num_draft_tokens: int = spec(4, _range(1, 32, integer=True), "max draft tokens per step (k)")
     adaptive: bool = spec(True, _bool, "choose k per request from measured acceptance and cost")
     ngram_max: int = spec(4, _range(1, 16, integer=True), "longest n-gram matched (method = ngram)")
@@ -234,7 +236,8 @@ class Profile:
         """Role -> model reference for every model this profile loads: the target, and the
         proposer's own model when its method has one."""
         own = own_model(self.speculative.method, self.speculative)
-        return {"target": self.model.path, **({"draft": own} if own else {})}
+        whole = own and PROPOSERS[self.speculative.method].model_is_lm  # a head is not a model
+        return {"target": self.model.path, **({"draft": own} if whole else {})}
 
     def override(self, key: str, value: Any, origin: str) -> None:
         """Apply `section.key = value` (a CLI flag), validated like a profile value."""
@@ -287,7 +290,7 @@ def _set_checked(table, name: str, value: Any, where: str, file: str) -> None:
 def _cross_check(profile: Profile, file: str) -> None:
     spec_cfg, par = profile.speculative, profile.parallel
     proposer = PROPOSERS.get(spec_cfg.method)
-    if proposer and proposer.model_key and not getattr(spec_cfg, proposer.model_key):
+    if proposer and proposer.model_key and proposer.model_required and not getattr(spec_cfg, proposer.model_key):
         raise ProfileError(f"{file}: speculative.method = {spec_cfg.method!r} needs "
                            f"speculative.{proposer.model_key}")
     if spec_cfg.ngram_min > spec_cfg.ngram_max:

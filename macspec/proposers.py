@@ -29,11 +29,18 @@ class Proposer:
     max_draft_key: str | None = None
     # A composite's parts, the model proposer first (a hybrid drafts with one of them per step).
     parts: tuple[str, ...] = ()
+    # Whether the profile must name that model (an EAGLE-3 head may come with the target), and
+    # whether it is a whole model (a draft: loaded, checked and pre-fetched like the target).
+    model_required: bool = True
+    model_is_lm: bool = True
 
 
 PROPOSERS = (
     Proposer("draft", "draft", "a small model with the target's tokenizer", model_key="draft_model"),
     Proposer("mtp", "mtp", "the target's multi-token-prediction head (DeepSeek V3, GLM, Kimi)"),
+    Proposer("eagle3", "eagle3", "an EAGLE-3 head over three of the target's layers (the format "
+             "SGLang and vLLM load; SmolLM2's ships with it)", model_key="eagle3_head",
+             model_required=False, model_is_lm=False),
     Proposer("ngram", "ngram", "prompt lookup over the context; no extra model"),
     Proposer("suffix", "suffix", "the longest match in the context and recent answers; no extra model "
              "(agents: edits, tool loops, extraction)", max_draft_key="suffix_max_tokens"),
@@ -41,6 +48,9 @@ PROPOSERS = (
              "should be accepted further", max_draft_key="suffix_max_tokens", parts=("mtp", "suffix")),
     Proposer("draft+suffix", "hybrid", "the same with the draft model", model_key="draft_model",
              max_draft_key="suffix_max_tokens", parts=("draft", "suffix")),
+    Proposer("eagle3+suffix", "hybrid", "the same with the EAGLE-3 head", model_key="eagle3_head",
+             max_draft_key="suffix_max_tokens", parts=("eagle3", "suffix"), model_required=False,
+             model_is_lm=False),
 )
 PLAIN = "none"  # no proposer: plain decoding
 PROPOSER_NAMES = tuple(p.name for p in PROPOSERS)

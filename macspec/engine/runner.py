@@ -42,13 +42,14 @@ class TargetRunner:
         self.slots[slot] = cache
 
     def prefill(self, slot: int, tokens: list[int]) -> tuple[mx.array, mx.array]:
-        """-> (hidden [n, D], logits of the last position [1, V]); every rank evaluates the same
+        """-> (states [n, D], logits of the last position [1, V]); every rank evaluates the same
         arrays so the model's collectives run in the same order everywhere."""
         cache = self.slots[slot]
         hidden = self.view.hidden(mx.array(tokens)[None], cache)
         logits = self.view.logits(hidden[0, -1:])
-        mx.eval(hidden, logits, cache_arrays(cache))
-        return hidden[0], logits
+        states = self.view.states(hidden)  # + tapped layers' outputs (EAGLE-3)
+        mx.eval(states, logits, cache_arrays(cache))
+        return states[0], logits
 
     def slot_to_row(self, slot: int, length: int) -> None:
         self.kv.add_row(self.slots.pop(slot), length)
@@ -69,6 +70,11 @@ class TargetRunner:
 
     def slot_nbytes(self, slot: int, length: int) -> int:
         return sum(a[:, :, :length].nbytes for c in leaves(self.slots[slot]) for a in c.state[:2])
+
+    @property
+    def states_width(self) -> int:
+        """The width of the states prefill and forward return (ModelView.states)."""
+        return self.view.states_width
 
     # ---- batched decode --------------------------------------------------------------
     needs_host_tokens = False  # one process: the window stays lazy until the step's sync

@@ -9,6 +9,7 @@ from ..config import Profile
 from ..errors import MacspecError, RequestError
 from ..models.checkpoint import LoadedModel
 from ..models.loader import load_model
+from ..models.eagle3 import Eagle3Head
 from ..models.mtp import MTPHead
 from ..models.view import ModelView
 from ..monitor.memory import apply_wired_limit, compute_dtype_bytes, kv_bytes_per_token
@@ -26,6 +27,7 @@ class Runtime:
     method: str
     draft: LoadedModel | None = None
     mtp_head: MTPHead | None = None
+    eagle3_head: Eagle3Head | None = None
     unavailable: dict[str, str] = field(default_factory=dict)  # method -> why it cannot load
 
     @property

@@ -68,7 +68,9 @@ class Scheduler:
         self._load_from_disk(seq.prompt)
         if not _needs_states(seq):
             return self.prefix_cache.lookup(seq.prompt)
-        kept = lambda entry: len(self.prefix_states[entry]) if entry in self.prefix_states else 0  # noqa: E731
+        width = self.runner.states_width  # entries kept before layers were tapped are narrower
+        kept = lambda entry: (len(self.prefix_states[entry]) if entry in self.prefix_states  # noqa: E731
+                              and self.prefix_states[entry].shape[-1] == width else 0)
         reused, entry = self.prefix_cache.lookup(seq.prompt, usable=kept)
         if entry is not None:
             seq.states = [self.prefix_states[entry][:reused]]

@@ -84,6 +84,7 @@ class MTPGroup(ChainGroup):
         first proposal, together with whatever the first decode step adds."""
         cache = self.layout_cache()
         row = MTPRow(hidden_start)
+        prompt_hidden = self._own_states(prompt_hidden)
         count = 0 if prompt_hidden is None else prompt_hidden.shape[0]
         if count > 1:
             hidden = prompt_hidden[:-1].astype(self._dtype)
@@ -107,11 +108,17 @@ class MTPGroup(ChainGroup):
     def _width(self) -> int:  # the hidden size the head reads
         return self.head.hnorm.weight.shape[0]
 
+    def _own_states(self, states: mx.array | None) -> mx.array | None:
+        """The columns of the target's states this head reads (the final hidden state; layers
+        tapped for an EAGLE-3 head follow it)."""
+        return None if states is None else states[..., :self._width]
+
     def _forget(self, key: int) -> None:
         self.rows.pop(key, None)
 
     def observe(self, key: int, hidden: mx.array) -> None:
-        if key in self.rows:
+        hidden = self._own_states(hidden)
+        if key in self.rows and hidden is not None:
             self.rows[key].add(hidden)
 
     def _can_draft(self, row: ChainRow) -> bool:

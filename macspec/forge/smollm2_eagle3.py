@@ -1,0 +1,178 @@
+"""Forge SmolLM2-135M-Instruct's EAGLE-3 head (`macspec forge smollm2-eagle3`).
+
+1. the model's own answers to offline chat prompts (all of chat_prompts', 1 in 10 held out;
+   the MTP recipe's stage, shared with it), greedy and every third sampled at T = 0.7;
+2. reference pairs (docstrings, pydoc topics) as teacher-forced answers;
+3. one forward per sequence keeping the final normed state (the teacher) and the outputs of
+   layers 1, 14 and 26 (the head's input), float16, saved;
+4. the draft vocabulary: the most frequent tokens of the model's answers (and prompts);
+5. the head (forge/eagle3.py): one block started from the target's last layer, trained with
+   training-time test over `unroll` chained steps on KL to the target;
+6. saved in the published layout (config.json + model.safetensors, bfloat16) with a report.
+Each data stage is kept in a work dir under /tmp, so a crash or a new schedule costs one stage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from . import chat_prompts, eagle3, smollm2, train
+from ..models.eagle3 import save_head
+from ..models.view import ModelView, tap_layers
+
+logger = logging.getLogger(__name__)
+
+HEAD_ASSET = "smollm2-eagle3"  # the shipped head's dir under the embedded assets
+
+
+@dataclass
+class Eagle3Recipe:
+    answers: smollm2.HeadRecipe = field(default_factory=lambda: smollm2.HeadRecipe(
+        num_prompts=783, num_reference=801))
+    vocab_size: int = 8192
+    unroll: int = 3  # chained steps trained together (training-time test)
+    decay: float = 0.8  # step j's loss weight decay^j
+    schedule: train.TrainSchedule = field(default_factory=lambda: train.TrainSchedule(
+        steps=600, batch_size=8, seq_len=160, lr=1e-3, warmup=40, log_every=25))
+    seed: int = 0
+
+
+RECIPES = {
+    "full": Eagle3Recipe(),
+    "smoke": Eagle3Recipe(
+        answers=smollm2.HeadRecipe(num_prompts=24, max_tokens=6, chunk=24, num_reference=8,
+                                   reference_tokens=16),
+        vocab_size=256, unroll=2, schedule=train.TrainSchedule(
+            steps=2, batch_size=2, seq_len=48, warmup=1, log_every=1, compile=False)),
+}
+
+
+def states_path(work: Path, records: list[dict], layers: tuple[int, ...], name: str) -> Path:
+    key = hashlib.sha256(json.dumps([layers, len(records), records[0]["prompt_ids"][:8]]).encode())
+    return work / f"states-{name}-{key.hexdigest()[:8]}.npz"
+
+
+def target_states(view: ModelView, records: list[dict], path: Path, batch: int = 8):
+    """Per record: (final normed state [n, H], the tapped layers' outputs [n, 3H]), float16."""
+    if path.is_file():
+        with np.load(path) as saved:
+            return [(saved[f"f{i}"], saved[f"a{i}"]) for i in range(len(records))]
+    seqs = [r["prompt_ids"] + r["answer_ids"] for r in records]
+    width = int(view.inner.norm.weight.shape[0])
+    out: list = [None] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # similar lengths pad little
+    t0 = time.perf_counter()
+    for b in range(0, len(order), batch):
+        group = order[b:b + batch]
+        longest = max(len(seqs[i]) for i in group)
+        tokens = mx.array([seqs[i] + [0] * (longest - len(seqs[i])) for i in group])
+        states = view.states(view.hidden(tokens)).astype(mx.float16)  # right padding: exact
+        mx.eval(states)
+        for row, i in enumerate(group):
+            s = np.array(states[row, :len(seqs[i])])
+            out[i] = (s[:, :width], s[:, width:])
+        if b // batch % 20 == 0:
+            logger.info("states %d/%d (%.0fs)", b + len(group), len(seqs), time.perf_counter() - t0)
+    np.savez(path, **{f"f{i}": f for i, (f, _) in enumerate(out)},
+             **{f"a{i}": a for i, (_, a) in enumerate(out)})
+    return out
+
+
+def make_batches(records: list[dict], states: list, seq_len: int, batch_size: int, seed: int,
+                 endless: bool = True):
+    """Batches (tokens [B, L], fused [B, L, 3H], final [B, L, H], mask [B, L]): the last L
+    positions of random sequences (each once, in order, when not `endless`); mask[p] = 1 where
+    token p is an answer token."""
+    rng = np.random.default_rng(seed)
+    width, fused_width = states[0][0].shape[1], states[0][1].shape[1]
+    order = iter(range(len(records)))
+    while True:
+        picks = rng.integers(0, len(records), batch_size) if endless else \
+            [i for _, i in zip(range(batch_size), order)]
+        if not len(picks):
+            return
+        tokens = np.zeros((len(picks), seq_len), np.int32)
+        final = np.zeros((len(picks), seq_len, width), np.float32)
+        fused = np.zeros((len(picks), seq_len, fused_width), np.float32)
+        mask = np.zeros((len(picks), seq_len), np.float32)
+        for row, i in enumerate(picks):
+            r = records[i]
+            seq = r["prompt_ids"] + r["answer_ids"]
+            cut = max(0, len(seq) - seq_len)
+            n = len(seq) - cut
+            tokens[row, :n] = seq[cut:]
+            final[row, :n], fused[row, :n] = states[i][0][cut:], states[i][1][cut:]
+            mask[row, max(len(r["prompt_ids"]) - cut, 0):n] = 1.0
+        yield mx.array(tokens), mx.array(fused), mx.array(final), mx.array(mask)
+
+
+def forge_head(out: Path, recipe: Eagle3Recipe) -> dict:
+    """Every stage, resumed from the work dirs; writes the head into `out`."""
+    from ..config import load_profile
+    from ..engine.runtime import Runtime
+    from ..models.loader import load_model
+
+    t0 = time.perf_counter()
+    data = recipe.answers
+    work = smollm2.work_dir(data)
+    work.mkdir(parents=True, exist_ok=True)
+    loaded = load_model(smollm2.TARGET, dtype="float32")
+    prompts = chat_prompts.build_prompts(data.num_prompts, data.seed)
+    records = smollm2.generate_answers(Runtime(load_profile("smollm2"), loaded, "none"), prompts,
+                                       data, work / "answers.jsonl")
+    t_answers = time.perf_counter() - t0
+    references = smollm2.reference_records(loaded.tokenizer, data)
+    num_layers = len(ModelView(loaded.model).inner.layers)
+    layers = eagle3.default_layers(num_layers)
+    tap_layers(loaded.model, layers)
+    view = ModelView(loaded.model)
+    states = target_states(view, records, states_path(work, records, layers, "answers"))
+    ref_work = smollm2.work_dir(data, smollm2.REFERENCE_FIELDS)
+    ref_work.mkdir(parents=True, exist_ok=True)
+    ref_states = target_states(view, references, states_path(ref_work, references, layers, "reference"))
+    t_data = time.perf_counter() - t0
+    train_idx = [i for i, r in enumerate(records) if not r["heldout"]]
+    held_idx = [i for i, r in enumerate(records) if r["heldout"]]
+    train_recs, held_recs = [records[i] for i in train_idx], [records[i] for i in held_idx]
+    vocab_ids, vocab_report = smollm2.head_vocabulary(
+        train_recs, recipe.vocab_size, int(view.inner.embed_tokens.weight.shape[0]),
+        sorted(loaded.tokenizer.eos_token_ids))
+    vocab_report["heldout_answer_coverage"] = smollm2._coverage(held_recs, vocab_ids)
+    head = eagle3.init_head(loaded.model, vocab_ids, layers, recipe.seed)
+    sched = recipe.schedule
+    batches = make_batches(train_recs + references, [states[i] for i in train_idx] + ref_states,
+                           sched.seq_len, sched.batch_size, recipe.seed)
+    t1 = time.perf_counter()
+    loss = eagle3.train_head(head, view, batches, sched, recipe.seed, recipe.unroll, recipe.decay)
+    t_train = time.perf_counter() - t1
+    held = make_batches(held_recs, [states[i] for i in held_idx], sched.seq_len, 8, 0, endless=False)
+    report = {
+        "target": smollm2.TARGET, "format": "EAGLE-3 (SpecForge layout: config.json + model.safetensors)",
+        "recipe": {"answers": asdict(data), "vocab_size": recipe.vocab_size, "unroll": recipe.unroll,
+                   "decay": recipe.decay, "seed": recipe.seed},
+        "schedule": asdict(sched), "target_layers": list(layers),
+        "prompts": {"train": len(train_recs), "heldout": len(held_recs), "reference": len(references)},
+        "answer_tokens": {"train": sum(len(r["answer_ids"]) for r in train_recs),
+                          "heldout": sum(len(r["answer_ids"]) for r in held_recs),
+                          "reference": sum(len(r["answer_ids"]) for r in references)},
+        **vocab_report,
+        "head_params": sum(v.size for _, v in tree_flatten(head.parameters()) if v.dtype != mx.int32),
+        "final_loss": round(loss, 4),
+        "heldout_top1_agreement_by_step": eagle3.agreement(head, view, held, recipe.unroll),
+        "seconds": {"answers": round(t_answers, 1), "data": round(t_data, 1),
+                    "train": round(t_train, 1), "total": round(time.perf_counter() - t0, 1)},
+    }
+    save_head(head, out)
+    (out / "head.json").write_text(json.dumps(report, indent=2) + "\n")
+    logger.info("smollm2 EAGLE-3 head: %s", report)
+    return report

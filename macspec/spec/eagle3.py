@@ -1,0 +1,97 @@
+"""An EAGLE-3 head proposes from three of the target's layers, for every row of its method in
+one head forward per chain step.
+
+It is the MTP group's mechanics with another head: position t reads (the target's low, middle
+and high states at t, token t+1) and predicts token t+2; for k > 1 it chains on its own output
+state, and the chained positions roll back once the step is verified. The target keeps the
+three layers' outputs in the forward that verifies (models/view.py `tap_layers`): no second
+pass, and under tensor parallelism rank 0 has them like the final state.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from ..errors import ModelLoadError
+from ..kv.batched import BatchKV, layout_of
+from ..models.eagle3 import Eagle3Head, build_head, read_head
+from ..models.view import ModelView, tap_layers
+from ..monitor.memory import compute_dtype_bytes
+from ..progress import phase
+from .mtp import MTPGroup
+
+logger = logging.getLogger(__name__)
+
+SHIPPED_DIR = "eagle3"  # a head attached beside the target's weights (`macspec pull`)
+
+
+def head_dir(runtime) -> Path:
+    """speculative.eagle3_head (a dir or a Hugging Face id), else the head shipped with the target."""
+    from ..models.loader import resolve_path
+
+    ref = runtime.profile.speculative.eagle3_head
+    if ref:
+        return resolve_path(ref)
+    shipped = Path(runtime.target.path) / SHIPPED_DIR
+    if not (shipped / "config.json").is_file():
+        raise ModelLoadError(f"{runtime.target.path} ships no EAGLE-3 head ({SHIPPED_DIR}/); set "
+                             "speculative.eagle3_head to a head's directory or Hugging Face id")
+    return shipped
+
+
+def load(runtime, method: str, fallback: bool = True) -> None:
+    """The head, checked against the target; the target's layers it reads are tapped."""
+    if runtime.eagle3_head is not None:
+        return
+    path = head_dir(runtime)
+    with phase(f"loading the EAGLE-3 head {path}"):
+        view = runtime.view
+        config, weights = read_head(path)
+        num_layers = len(view.inner.layers)
+        head = build_head(config, weights, view, num_layers, view.inner.norm.weight.dtype, str(path))
+        tap_layers(runtime.target.model, config.target_layers(num_layers))
+    logger.info("EAGLE-3 head %s: draft vocabulary %d, target layers %s", path,
+                config.draft_vocab_size, list(config.target_layers(num_layers)))
+    runtime.eagle3_head = head
+
+
+def make_group(runtime, method: str, vocab_size: int) -> "Eagle3Group":
+    return Eagle3Group(runtime.eagle3_head, runtime.view, vocab_size)
+
+
+def kv_bytes_per_token(runtime, method: str) -> int:
+    """Its one attention block: keys and values of every KV head."""
+    config = runtime.eagle3_head.config
+    return 2 * config.num_key_value_heads * config.head_dim * compute_dtype_bytes(runtime.target.model)
+
+
+class Eagle3Group(MTPGroup):
+    method = "eagle3"
+
+    def __init__(self, head: Eagle3Head, view: ModelView, vocab_size: int):
+        self.layout_cache = lambda: [KVCache()]
+        super(MTPGroup, self).__init__(BatchKV(layout_of(self.layout_cache())), vocab_size)
+        self.head = head
+        self.view = view
+        self.rows = {}
+        self.state = None
+        self.target_width = int(view.inner.norm.weight.shape[0])
+
+    @property
+    def _dtype(self):
+        return self.head.fc.weight.dtype
+
+    @property
+    def _width(self) -> int:  # the fused states: three layers of the target
+        return self.head.fused_width
+
+    def _own_states(self, states: mx.array | None) -> mx.array | None:
+        """The tapped layers' columns (after the final state); None for states kept before the
+        layers were tapped (a prefix entry made by another method)."""
+        if states is None or states.shape[-1] < self.target_width + self._width:
+            return None
+        return states[..., self.target_width:self.target_width + self._width]
