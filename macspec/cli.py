@@ -489,13 +489,13 @@ def profiles_show(name, as_json):
             click.echo(f"  {key} = {json.dumps(value)}  # {origin}")
 
 
-@main.command(short_help="Train or build models: the embedded family, tiny-wide, tiny-moe, the seed replicas, SmolLM2's MTP head.")
+@main.command(short_help="Train or build models: the embedded family, tiny-wide, tiny-moe, the seed replicas, SmolLM2's MTP and EAGLE-3 heads.")
 @click.argument("what", default="family")
 @click.option("--out", type=click.Path(file_okay=False),
               help="Output directory (family: required; tiny-wide and the replicas: default the "
                    "cache dir that built:NAME resolves to; smollm2-mtp: the shipped head).")
 @click.option("--recipe", type=click.Choice(["full", "smoke"]), default="full", show_default=True,
-              help="family and smollm2-mtp only.")
+              help="family, smollm2-mtp, smollm2-eagle3 and tiny-eagle3 only.")
 @click.option("--reuse-target", is_flag=True,
               help="family only: keep OUT/tiny-target (tokenizer, target, MTP head); re-distill the "
                    "draft only.")
@@ -506,10 +506,29 @@ def forge(what, out, recipe, reuse_target, log_level):
     or WHAT = tiny-moe: the same target as a 64-expert MoE, again with the same logits, or WHAT = kimi-k25-mini, moonlight-mini, glm5-mini: miniature replicas of the seed models
     (their architectures, config keys and quantization; a few MB, seconds), or WHAT =
     smollm2-mtp: SmolLM2's MTP head, trained on its own answers (~30 min; default --out: the
-    shipped head, which `pulled:smollm2` then attaches)."""
+    shipped head, which `pulled:smollm2` then attaches), or WHAT = smollm2-eagle3: its EAGLE-3
+    head in the published layout (training-time test; ~60 min on 2 cores), or WHAT = tiny-eagle3:
+    the embedded target's EAGLE-3 head, from the corpus it was trained on (minutes)."""
     from pathlib import Path
 
     setup_logging(log_level)
+    if what == "tiny-eagle3":
+        from .forge.eagle3 import CORPUS_RECIPES, forge_on_corpus
+        from .models.store import embedded_dir
+
+        path = Path(out) if out else embedded_dir() / what
+        click.echo(json.dumps(forge_on_corpus(path, CORPUS_RECIPES[recipe]), indent=2))
+        click.echo(f"wrote the tiny target's EAGLE-3 head into {path}")
+        return
+    if what == "smollm2-eagle3":
+        from .forge.smollm2_eagle3 import HEAD_ASSET, RECIPES as E3_RECIPES, forge_head as forge_e3
+        from .models.store import embedded_dir
+
+        path = Path(out) if out else embedded_dir() / HEAD_ASSET
+        report = forge_e3(path, E3_RECIPES[recipe])
+        click.echo(json.dumps(report, indent=2))
+        click.echo(f"wrote the SmolLM2 EAGLE-3 head into {path}")
+        return
     if what == "smollm2-mtp":
         from .forge.smollm2 import HEAD_ASSET, RECIPES as HEAD_RECIPES, forge_head
         from .models.store import embedded_dir

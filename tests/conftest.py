@@ -7,6 +7,7 @@ import macspec  # noqa: F401  (loads the fast BLAS before mlx)
 import pytest
 
 from macspec.config import BUILTIN_PROFILE_DIR, load_profile
+from macspec.proposers import BY_NAME
 from macspec.engine.blocking import Completion
 from macspec.engine.engine import Engine
 from macspec.engine.launch import calibrated_engine
@@ -28,8 +29,12 @@ _RUNTIMES: dict[str, Runtime] = {}
 def tiny_runtime(method: str) -> Runtime:
     if method not in _RUNTIMES:
         # The method's own tiny profile where one ships (tiny-mtp, tiny-ngram...), else tiny's.
+        # eagle3+suffix takes tiny-eagle3's (the head it names).
         names = {p.stem for p in BUILTIN_PROFILE_DIR.glob("tiny-*.toml")}
-        profile = load_profile(f"tiny-{method}" if f"tiny-{method}" in names else "tiny")
+        parts = BY_NAME[method].parts if method in BY_NAME else ()
+        name = f"tiny-{method}" if f"tiny-{method}" in names else \
+            "tiny-eagle3" if parts[:1] == ("eagle3",) else "tiny"
+        profile = load_profile(name)
         profile.speculative.method = method
         _RUNTIMES[method] = Runtime.load(profile)
     return _RUNTIMES[method]

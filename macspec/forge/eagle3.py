@@ -13,7 +13,11 @@ What EAGLE-3 trains (Li et al. 2025, SpecForge):
 
 from __future__ import annotations
 
+import json
 import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,7 +26,7 @@ import numpy as np
 from ..models.eagle3 import Eagle3Config, Eagle3Head
 from ..models.mtp import output_rows
 from ..models.view import ModelView
-from . import train
+from . import corpus, train
 
 logger = logging.getLogger(__name__)
 
@@ -162,3 +166,128 @@ def agreement(head: Eagle3Head, view: ModelView, batches, unroll: int) -> list[f
             hits[j] += (same * m).sum().item()
             counts[j] += m.sum().item()
     return [round(float(h / max(c, 1)), 4) for h, c in zip(hits, counts)]
+
+
+# ---- data: the target's states and batches over them ----------------------------------------
+
+def target_states(view: ModelView, records: list[dict], path: Path | None, batch: int = 8):
+    """Per record: (final normed state [n, H], the tapped layers' outputs [n, 3H]), float16;
+    kept in `path` (None: not kept)."""
+    if path is not None and path.is_file():
+        with np.load(path) as saved:
+            return [(saved[f"f{i}"], saved[f"a{i}"]) for i in range(len(records))]
+    seqs = [r["prompt_ids"] + r["answer_ids"] for r in records]
+    width = int(view.inner.norm.weight.shape[0])
+    out: list = [None] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # similar lengths pad little
+    t0 = time.perf_counter()
+    for b in range(0, len(order), batch):
+        group = order[b:b + batch]
+        longest = max(len(seqs[i]) for i in group)
+        tokens = mx.array([seqs[i] + [0] * (longest - len(seqs[i])) for i in group])
+        states = view.states(view.hidden(tokens)).astype(mx.float16)  # right padding: exact
+        mx.eval(states)
+        for row, i in enumerate(group):
+            s = np.array(states[row, :len(seqs[i])])
+            out[i] = (s[:, :width], s[:, width:])
+        if b // batch % 20 == 0:
+            logger.info("states %d/%d (%.0fs)", b + len(group), len(seqs), time.perf_counter() - t0)
+    if path is None:
+        return out
+    np.savez(path, **{f"f{i}": f for i, (f, _) in enumerate(out)},
+             **{f"a{i}": a for i, (_, a) in enumerate(out)})
+    return out
+
+
+def make_batches(records: list[dict], states: list, seq_len: int, batch_size: int, seed: int,
+                 endless: bool = True):
+    """Batches (tokens [B, L], fused [B, L, 3H], final [B, L, H], mask [B, L]): the last L
+    positions of random sequences (each once, in order, when not `endless`); mask[p] = 1 where
+    token p is an answer token."""
+    rng = np.random.default_rng(seed)
+    width, fused_width = states[0][0].shape[1], states[0][1].shape[1]
+    order = iter(range(len(records)))
+    while True:
+        picks = rng.integers(0, len(records), batch_size) if endless else \
+            [i for _, i in zip(range(batch_size), order)]
+        if not len(picks):
+            return
+        tokens = np.zeros((len(picks), seq_len), np.int32)
+        final = np.zeros((len(picks), seq_len, width), np.float32)
+        fused = np.zeros((len(picks), seq_len, fused_width), np.float32)
+        mask = np.zeros((len(picks), seq_len), np.float32)
+        for row, i in enumerate(picks):
+            r = records[i]
+            seq = r["prompt_ids"] + r["answer_ids"]
+            cut = max(0, len(seq) - seq_len)
+            n = len(seq) - cut
+            tokens[row, :n] = seq[cut:]
+            final[row, :n], fused[row, :n] = states[i][0][cut:], states[i][1][cut:]
+            mask[row, max(len(r["prompt_ids"]) - cut, 0):n] = 1.0
+        yield mx.array(tokens), mx.array(fused), mx.array(final), mx.array(mask)
+
+
+# ---- a head for the embedded target, from the corpus it was trained on -----------------------
+
+@dataclass
+class CorpusRecipe:
+    """Teacher-forced windows of the standard library's sources (the tiny family's corpus)."""
+    target: str = "embedded:tiny-target"
+    layers: tuple[int, ...] = (1, 3, 4)  # of 6: low, middle, high (the default collides at L = 6)
+    train_tokens: int = 160_000
+    heldout_tokens: int = 16_000
+    unroll: int = 3
+    schedule: train.TrainSchedule = field(default_factory=lambda: train.TrainSchedule(
+        steps=300, batch_size=16, seq_len=128, lr=2e-3, warmup=20, log_every=50))
+    seed: int = 0
+
+
+CORPUS_RECIPES = {
+    "full": CorpusRecipe(),
+    "smoke": CorpusRecipe(train_tokens=4_000, heldout_tokens=1_000, schedule=train.TrainSchedule(
+        steps=2, batch_size=2, seq_len=32, warmup=1, log_every=1, compile=False)),
+}
+
+
+def _windows(tokenizer, texts: list[str], total: int, length: int) -> list[dict]:
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer.encode(text, add_special_tokens=False))
+        if len(ids) >= total:
+            break
+    ids = ids[:total]
+    return [{"prompt_ids": [], "answer_ids": ids[i:i + length]}
+            for i in range(0, len(ids) - length + 1, length)]
+
+
+def forge_on_corpus(out: Path, recipe: CorpusRecipe) -> dict:
+    """A full-vocabulary head for `recipe.target`, in the published layout, with a report."""
+    from ..models.loader import load_model
+
+    t0 = time.perf_counter()
+    loaded = load_model(recipe.target, dtype="float32")
+    sched = recipe.schedule
+    train_recs = _windows(loaded.tokenizer, corpus.read_texts(heldout=False), recipe.train_tokens, sched.seq_len)
+    held_recs = _windows(loaded.tokenizer, corpus.read_texts(heldout=True), recipe.heldout_tokens, sched.seq_len)
+    from ..models.view import tap_layers
+
+    tap_layers(loaded.model, recipe.layers)
+    view = ModelView(loaded.model)
+    train_states = target_states(view, train_recs, None, batch=32)
+    held_states = target_states(view, held_recs, None, batch=32)
+    vocab = int(view.inner.embed_tokens.weight.shape[0])
+    head = init_head(loaded.model, np.arange(vocab), recipe.layers, recipe.seed)
+    batches = make_batches(train_recs, train_states, sched.seq_len, sched.batch_size, recipe.seed)
+    loss = train_head(head, view, batches, sched, recipe.seed, recipe.unroll)
+    held = make_batches(held_recs, held_states, sched.seq_len, 16, 0, endless=False)
+    report = {"target": recipe.target, "recipe": {k: v for k, v in asdict(recipe).items() if k != "schedule"},
+              "schedule": asdict(sched), "train_tokens": sum(len(r["answer_ids"]) for r in train_recs),
+              "final_loss": round(loss, 4),
+              "heldout_top1_agreement_by_step": agreement(head, view, held, recipe.unroll),
+              "seconds": round(time.perf_counter() - t0, 1)}
+    from ..models.eagle3 import save_head
+
+    save_head(head, out)
+    (out / "head.json").write_text(json.dumps(report, indent=2) + "\n")
+    logger.info("EAGLE-3 head for %s: %s", recipe.target, report)
+    return report

@@ -17,13 +17,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 from mlx.utils import tree_flatten
 
 from . import chat_prompts, eagle3, smollm2, train
@@ -43,7 +41,7 @@ class Eagle3Recipe:
     unroll: int = 3  # chained steps trained together (training-time test)
     decay: float = 0.8  # step j's loss weight decay^j
     schedule: train.TrainSchedule = field(default_factory=lambda: train.TrainSchedule(
-        steps=600, batch_size=8, seq_len=160, lr=1e-3, warmup=40, log_every=25))
+        steps=480, batch_size=8, seq_len=160, lr=1e-3, warmup=30, log_every=20))
     seed: int = 0
 
 
@@ -60,60 +58,6 @@ RECIPES = {
 def states_path(work: Path, records: list[dict], layers: tuple[int, ...], name: str) -> Path:
     key = hashlib.sha256(json.dumps([layers, len(records), records[0]["prompt_ids"][:8]]).encode())
     return work / f"states-{name}-{key.hexdigest()[:8]}.npz"
-
-
-def target_states(view: ModelView, records: list[dict], path: Path, batch: int = 8):
-    """Per record: (final normed state [n, H], the tapped layers' outputs [n, 3H]), float16."""
-    if path.is_file():
-        with np.load(path) as saved:
-            return [(saved[f"f{i}"], saved[f"a{i}"]) for i in range(len(records))]
-    seqs = [r["prompt_ids"] + r["answer_ids"] for r in records]
-    width = int(view.inner.norm.weight.shape[0])
-    out: list = [None] * len(seqs)
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # similar lengths pad little
-    t0 = time.perf_counter()
-    for b in range(0, len(order), batch):
-        group = order[b:b + batch]
-        longest = max(len(seqs[i]) for i in group)
-        tokens = mx.array([seqs[i] + [0] * (longest - len(seqs[i])) for i in group])
-        states = view.states(view.hidden(tokens)).astype(mx.float16)  # right padding: exact
-        mx.eval(states)
-        for row, i in enumerate(group):
-            s = np.array(states[row, :len(seqs[i])])
-            out[i] = (s[:, :width], s[:, width:])
-        if b // batch % 20 == 0:
-            logger.info("states %d/%d (%.0fs)", b + len(group), len(seqs), time.perf_counter() - t0)
-    np.savez(path, **{f"f{i}": f for i, (f, _) in enumerate(out)},
-             **{f"a{i}": a for i, (_, a) in enumerate(out)})
-    return out
-
-
-def make_batches(records: list[dict], states: list, seq_len: int, batch_size: int, seed: int,
-                 endless: bool = True):
-    """Batches (tokens [B, L], fused [B, L, 3H], final [B, L, H], mask [B, L]): the last L
-    positions of random sequences (each once, in order, when not `endless`); mask[p] = 1 where
-    token p is an answer token."""
-    rng = np.random.default_rng(seed)
-    width, fused_width = states[0][0].shape[1], states[0][1].shape[1]
-    order = iter(range(len(records)))
-    while True:
-        picks = rng.integers(0, len(records), batch_size) if endless else \
-            [i for _, i in zip(range(batch_size), order)]
-        if not len(picks):
-            return
-        tokens = np.zeros((len(picks), seq_len), np.int32)
-        final = np.zeros((len(picks), seq_len, width), np.float32)
-        fused = np.zeros((len(picks), seq_len, fused_width), np.float32)
-        mask = np.zeros((len(picks), seq_len), np.float32)
-        for row, i in enumerate(picks):
-            r = records[i]
-            seq = r["prompt_ids"] + r["answer_ids"]
-            cut = max(0, len(seq) - seq_len)
-            n = len(seq) - cut
-            tokens[row, :n] = seq[cut:]
-            final[row, :n], fused[row, :n] = states[i][0][cut:], states[i][1][cut:]
-            mask[row, max(len(r["prompt_ids"]) - cut, 0):n] = 1.0
-        yield mx.array(tokens), mx.array(fused), mx.array(final), mx.array(mask)
 
 
 def forge_head(out: Path, recipe: Eagle3Recipe) -> dict:
@@ -136,10 +80,10 @@ def forge_head(out: Path, recipe: Eagle3Recipe) -> dict:
     layers = eagle3.default_layers(num_layers)
     tap_layers(loaded.model, layers)
     view = ModelView(loaded.model)
-    states = target_states(view, records, states_path(work, records, layers, "answers"))
+    states = eagle3.target_states(view, records, states_path(work, records, layers, "answers"))
     ref_work = smollm2.work_dir(data, smollm2.REFERENCE_FIELDS)
     ref_work.mkdir(parents=True, exist_ok=True)
-    ref_states = target_states(view, references, states_path(ref_work, references, layers, "reference"))
+    ref_states = eagle3.target_states(view, references, states_path(ref_work, references, layers, "reference"))
     t_data = time.perf_counter() - t0
     train_idx = [i for i, r in enumerate(records) if not r["heldout"]]
     held_idx = [i for i, r in enumerate(records) if r["heldout"]]
@@ -150,12 +94,12 @@ def forge_head(out: Path, recipe: Eagle3Recipe) -> dict:
     vocab_report["heldout_answer_coverage"] = smollm2._coverage(held_recs, vocab_ids)
     head = eagle3.init_head(loaded.model, vocab_ids, layers, recipe.seed)
     sched = recipe.schedule
-    batches = make_batches(train_recs + references, [states[i] for i in train_idx] + ref_states,
+    batches = eagle3.make_batches(train_recs + references, [states[i] for i in train_idx] + ref_states,
                            sched.seq_len, sched.batch_size, recipe.seed)
     t1 = time.perf_counter()
     loss = eagle3.train_head(head, view, batches, sched, recipe.seed, recipe.unroll, recipe.decay)
     t_train = time.perf_counter() - t1
-    held = make_batches(held_recs, [states[i] for i in held_idx], sched.seq_len, 8, 0, endless=False)
+    held = eagle3.make_batches(held_recs, [states[i] for i in held_idx], sched.seq_len, 8, 0, endless=False)
     report = {
         "target": smollm2.TARGET, "format": "EAGLE-3 (SpecForge layout: config.json + model.safetensors)",
         "recipe": {"answers": asdict(data), "vocab_size": recipe.vocab_size, "unroll": recipe.unroll,
