@@ -1,14 +1,16 @@
-"""SmolLM2-135M-Instruct with its shipped MTP head, through the engine (the path users run).
+"""SmolLM2-135M-Instruct with one of its shipped heads (MTP or EAGLE-3), through the engine.
 
 Held-out chat prompts (forge/chat_prompts.py: never trained on), the smollm2 profile's sampling
 (repetition penalty 1.1), greedy and T = 0.7: acceptance per draft position and tokens per target
 forward at fixed k = 1..6. Acceptance at position i is the share of steps whose drafts 1..i were
 all accepted (the engine's `acceptance_by_position`), averaged over requests weighted by their
 speculative steps. `--run` also times `macspec run` (batch of one, what a user sees) on three
-prompts with speculation on (the profile) and off (`--method none`).
+prompts with speculation on (the head's method) and off (`--method none`); `--new-prompts`
+times three prompts that are in no training set instead.
 
     python benchmarks/smollm2_head.py                 # ~15 min on 2 cores (T = 0.7 is 2/3)
     python benchmarks/smollm2_head.py --run           # + the `macspec run` timing (~2 min)
+    python benchmarks/smollm2_head.py --method eagle3 --run --new-prompts
 """
 
 from __future__ import annotations
@@ -23,16 +25,23 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_PROMPTS = ["Explain what RDMA is in two sentences.", "What is a hash table?",
                "Write a Python function that reverses a string."]
+# In no recipe's prompts (chat_prompts.build_prompts): what a new user might type first.
+NEW_PROMPTS = ["Explain what a CPU cache is in two sentences.",
+               "Give me three tips for writing readable code.",
+               "What does a database transaction guarantee?"]
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--method", default="mtp", choices=["mtp", "eagle3"], help="which shipped head")
     ap.add_argument("--ks", default="1,2,3,4,5,6")
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("--prompts", type=int, default=24, help="held-out prompts per configuration")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8, help="engine max_batch (acceptance does not depend on it)")
     ap.add_argument("--run", action="store_true", help="also time `macspec run`, spec on vs off")
+    ap.add_argument("--new-prompts", action="store_true", help="time `macspec run` on NEW_PROMPTS")
+    ap.add_argument("--skip-acceptance", action="store_true", help="only the `macspec run` timing")
     ap.add_argument("--json-out", help="also write the rows as JSON here")
     return ap.parse_args(argv)
 
@@ -82,7 +91,7 @@ def measure(args) -> list[dict]:
         params = [replace(base, temperature=temp, seed=i) for i in range(len(prompts))]
         for k in [int(k) for k in args.ks.split(",")]:
             start = time.perf_counter()
-            done = engine.generate(prompts, params, args.max_tokens, method="mtp", num_draft=k,
+            done = engine.generate(prompts, params, args.max_tokens, method=args.method, num_draft=k,
                                    adaptive=False)
             for c in done:
                 if c.error is not None:
@@ -92,12 +101,13 @@ def measure(args) -> list[dict]:
     return rows
 
 
-def time_run() -> list[dict]:
-    """`macspec run` per prompt with the profile (MTP) and with --method none: decode tok/s."""
+def time_run(method: str, prompts: list[str]) -> list[dict]:
+    """`macspec run` per prompt with the head's method (the profile's k) and with --method none:
+    decode tok/s. Results are keyed "mtp" for the speculative run, whichever head it is."""
     out = []
-    for prompt in RUN_PROMPTS:
+    for prompt in prompts:
         row = {"prompt": prompt}
-        for label, extra in (("mtp", []), ("none", ["--method", "none"])):
+        for label, extra in (("mtp", ["--method", method]), ("none", ["--method", "none"])):
             cmd = ["macspec", "run", prompt, "--profile", "smollm2", "--json", *extra]
             result = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
             row[label] = {"tok_s": result["decode_tokens_per_s"], "tokens": result["generated_tokens"],
@@ -119,7 +129,7 @@ def print_tables(rows: list[dict], runs: list[dict] | None) -> None:
             print(f"| {r['k']} | " + " | ".join(cells) + f" | {r['acceptance']:.2f} | {r['tokens_per_forward']:.2f} |")
     if runs:
         print("\n## `macspec run --profile smollm2` (decode tok/s, batch of one)")
-        print("| prompt | MTP tok/s | none tok/s | speedup | tokens/forward | mean k | same tokens |")
+        print("| prompt | spec tok/s | none tok/s | speedup | tokens/forward | mean k | same tokens |")
         print("|---|---:|---:|---:|---:|---:|---|")
         for r in runs:
             print(f"| {r['prompt']} | {r['mtp']['tok_s']:.1f} | {r['none']['tok_s']:.1f} | "
@@ -133,8 +143,8 @@ def print_tables(rows: list[dict], runs: list[dict] | None) -> None:
 def main(argv=None):
     args = parse_args(argv)
     start = time.perf_counter()
-    rows = measure(args)
-    runs = time_run() if args.run else None
+    rows = [] if args.skip_acceptance else measure(args)
+    runs = time_run(args.method, NEW_PROMPTS if args.new_prompts else RUN_PROMPTS) if args.run else None
     print_tables(rows, runs)
     print(f"\n(total {time.perf_counter() - start:.0f} s)")
     if args.json_out:

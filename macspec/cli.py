@@ -516,7 +516,7 @@ def forge(what, out, recipe, reuse_target, log_level):
         from .forge.eagle3 import CORPUS_RECIPES, forge_on_corpus
         from .models.store import embedded_dir
 
-        path = Path(out) if out else embedded_dir() / what
+        path = Path(out) if out else embedded_dir() / "tiny-target" / "eagle3"  # shipped with it
         click.echo(json.dumps(forge_on_corpus(path, CORPUS_RECIPES[recipe]), indent=2))
         click.echo(f"wrote the tiny target's EAGLE-3 head into {path}")
         return

@@ -26,6 +26,7 @@ import numpy as np
 from ..models.eagle3 import Eagle3Config, Eagle3Head
 from ..models.mtp import output_rows
 from ..models.view import ModelView
+from ..sampling import fast_exp, log_normalize
 from . import corpus, train
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,8 @@ def _attention(block, x: mx.array, step: int, keys: list, values: list) -> mx.ar
     causal = mx.triu(mx.full((T, T), -mx.inf), k=1)
     scores = [(q * scale) @ keys[0].transpose(0, 1, 3, 2) + causal]
     scores += [((q * scale) * kj).sum(-1, keepdims=True) for kj in keys[1:]]
-    probs = mx.softmax(mx.concatenate(scores, axis=-1).astype(mx.float32), axis=-1).astype(q.dtype)
+    scores = mx.concatenate(scores, axis=-1)
+    probs = fast_exp(log_normalize(scores))  # MLX's CPU exp is slow (see _kl)
     out = probs[..., :T] @ values[0]
     for i, vj in enumerate(values[1:]):
         out = out + probs[..., T + i:T + i + 1] * vj
@@ -123,6 +125,15 @@ def unrolled(head: Eagle3Head, view: ModelView, tokens: mx.array, fused: mx.arra
     return out
 
 
+def _kl(teacher_logits: mx.array, student_logits: mx.array, mask: mx.array) -> mx.array:
+    """Forward KL(teacher || student) per position, masked mean; exp as a power of two (MLX's
+    CPU exp is ~10x slower, and a step takes tens of millions of them)."""
+    t = log_normalize(mx.stop_gradient(teacher_logits.astype(mx.float32)))
+    s = log_normalize(student_logits)
+    kl = (fast_exp(t) * (t - s)).sum(-1)
+    return (kl * mask).sum() / mx.maximum(mask.sum(), 1)
+
+
 def ttt_loss(head, view, tokens, fused, teacher, mask, unroll: int, decay: float) -> mx.array:
     """teacher [B, L, N]: the target's logits at each position over the draft vocabulary;
     mask [B, L]: 1 where the token at that index is an answer token (a prediction target)."""
@@ -130,7 +141,7 @@ def ttt_loss(head, view, tokens, fused, teacher, mask, unroll: int, decay: float
     total, weight = 0.0, 0.0
     for j, logits in enumerate(unrolled(head, view, tokens, fused, unroll)):
         w = decay ** j
-        total = total + w * train._kl(teacher[:, 1 + j:1 + j + T], logits, mask[:, 2 + j:2 + j + T])
+        total = total + w * _kl(teacher[:, 1 + j:1 + j + T], logits, mask[:, 2 + j:2 + j + T])
         weight += w
     return total / weight
 

@@ -266,19 +266,18 @@ def _canonical_names(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 
 
 def build_head(config: Eagle3Config, weights: dict[str, mx.array], target_view, num_layers: int,
-               dtype, where: str) -> Eagle3Head:
-    """Check the head against the target, then load it: every mismatch is named."""
-    target_vocab = int(target_view.inner.embed_tokens.weight.shape[0])
-    target_hidden = int(target_view.inner.embed_tokens.weight.shape[1]) \
-        if "scales" not in target_view.inner.embed_tokens else None
-    args_hidden = getattr(getattr(target_view.model, "args", None), "hidden_size", None)
-    target_hidden = args_hidden or target_hidden
+               dtype, where: str, target_vocab_size: int | None = None) -> Eagle3Head:
+    """Check the head against the target (`target_vocab_size`: its config's, when its embedding
+    is padded wider), then load it: every mismatch is named."""
+    target_vocab = int(target_view.inner.embed_tokens.weight.shape[0])  # its logits' width
+    target_hidden = int(target_view.inner.norm.weight.shape[0])
     problems = []
     if config.target_hidden_size != target_hidden:
         problems.append(f"it reads hidden states of width {config.target_hidden_size}; the target's "
                         f"are {target_hidden} (a head for another target?)")
-    if config.vocab_size not in (target_vocab, int(getattr(target_view.model.args, "vocab_size", -1))):
-        problems.append(f"its vocab_size is {config.vocab_size}; the target has {target_vocab} tokens")
+    if config.vocab_size not in (target_vocab, target_vocab_size):
+        problems.append(f"its vocab_size is {config.vocab_size}; the target has {target_vocab_size} "
+                        "tokens (a head for another tokenizer?)")
     own_embed = "embed_tokens.weight" in weights
     if not own_embed and config.hidden_size != target_hidden:
         problems.append(f"its hidden_size {config.hidden_size} differs from the target's "

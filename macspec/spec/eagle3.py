@@ -52,7 +52,10 @@ def load(runtime, method: str, fallback: bool = True) -> None:
         view = runtime.view
         config, weights = read_head(path)
         num_layers = len(view.inner.layers)
-        head = build_head(config, weights, view, num_layers, view.inner.norm.weight.dtype, str(path))
+        target_config = runtime.target.config
+        vocab = (target_config.get("text_config") or target_config).get("vocab_size")
+        head = build_head(config, weights, view, num_layers, view.inner.norm.weight.dtype, str(path),
+                          target_vocab_size=vocab)
         tap_layers(runtime.target.model, config.target_layers(num_layers))
     logger.info("EAGLE-3 head %s: draft vocabulary %d, target layers %s", path,
                 config.draft_vocab_size, list(config.target_layers(num_layers)))
