@@ -158,3 +158,49 @@ def test_training_time_test_unrolls_the_chain_inference_runs():
     for j in range(1, unroll):
         logits, state = head.forward(tokens[:, origin + 1 + j:origin + 2 + j], state, view, cache)
         assert mx.allclose(logits[0, 0], trained[j][0, origin], atol=1e-4)
+
+
+def head_for(view, draft_vocab: int, seed: int = 0) -> Eagle3Head:
+    """A random head shaped for any target view (its hidden width, vocabulary and layers)."""
+    hidden = int(view.inner.norm.weight.shape[0])
+    vocab = int(view.inner.embed_tokens.weight.shape[0])
+    layers = len(view.inner.layers)
+    config = Eagle3Config(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=hidden // 4, rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling=None, max_position_embeddings=4096, vocab_size=vocab,
+        draft_vocab_size=draft_vocab, target_hidden_size=hidden,
+        aux_outputs=(0, layers // 2, layers - 1))
+    mx.random.seed(seed)
+    head = Eagle3Head(config)
+    ids = np.sort(np.random.default_rng(seed).choice(vocab, draft_vocab, replace=False))
+    head.set_vocab_map(mx.array(ids), vocab)
+    return head
+
+
+@pytest.mark.parametrize("profile_name, target", [
+    ("kimi-tp2-mini", None), ("kimi-tp2-mini", "built:moonlight-mini"), ("glm5-mtp-mini", None)],
+    ids=["kimi_k25", "deepseek_v3", "glm_moe_dsa"])
+def test_seed_architectures_take_an_eagle3_head_losslessly(tmp_path, profile_name, target):
+    """The layers are tapped on MLA + MoE targets too (a kimi_k25 wrapper, deepseek_v3, GLM-5's
+    DSA indexer): batched greedy output with the head equals plain, at k = 1 and 3."""
+    base = load_profile(profile_name)
+    if target:
+        base.model.path = target
+    base.speculative.method = "none"
+    plain_runtime = Runtime.load(base)
+    save_head(head_for(plain_runtime.view, 512), tmp_path)
+    base.speculative.method = "eagle3"
+    base.speculative.eagle3_head = str(tmp_path)
+    runtime = Runtime.load(base)
+    assert runtime.view.states_width == 4 * int(runtime.view.inner.norm.weight.shape[0])
+    tok = runtime.tokenizer
+    prompts = [tok.encode(text) for text in ("The history of", "def main():\n", "Once upon a time")]
+    from .conftest import engine_for
+
+    plain = [c.tokens for c in engine_for(plain_runtime).generate(prompts, SamplingParams(), 16, method="none")]
+    for k in (1, 3):
+        done = engine_for(runtime).generate(prompts, SamplingParams(), 16, method="eagle3", num_draft=k,
+                                            adaptive=False)
+        assert [c.tokens for c in done] == plain
+        assert sum(c.stats["spec"]["drafted"] for c in done) > 0

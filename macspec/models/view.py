@@ -71,7 +71,8 @@ class Taps:
         self.outputs: dict[int, mx.array] = {}
 
     def joined(self, hidden: mx.array) -> mx.array:
-        parts = [self.outputs.pop(i) for i in self.layers]
+        parts = [self.outputs[i] for i in self.layers]  # a layer may be read twice
+        self.outputs = {}
         return mx.concatenate([hidden, *(p.astype(hidden.dtype) for p in parts)], axis=-1)
 
 
@@ -87,7 +88,7 @@ def tap_layers(model: nn.Module, layers: tuple[int, ...]) -> Taps:
         return existing
     taps = Taps(tuple(layers))
     stack = ModelView(model).inner.layers
-    for index in taps.layers:
+    for index in sorted(set(taps.layers)):
         layer = stack[index]
         cls = type(layer)
         layer.__class__ = type(f"Tapped{cls.__name__}", (cls,), {"__call__": _tapped_call})
