@@ -1,4 +1,5 @@
-"""SmolLM2's shipped MTP head (`macspec forge smollm2-mtp`): small, attached by the pull, lossless.
+"""SmolLM2's shipped heads (`macspec forge smollm2-mtp`, `smollm2-eagle3`): small, attached by the
+pull, lossless.
 
 The head predicts over a subset of the vocabulary (shared_head.vocab_ids) and takes those output
 rows from the target; a tiny random llama checks that path exactly, the real model (through the
@@ -78,8 +79,18 @@ def test_a_subset_head_takes_the_targets_rows_and_stays_lossless(tmp_path):
 @pytest.fixture(scope="module")
 def smollm2_runtimes(smollm2):  # noqa: F811
     profile = load_profile("smollm2")
-    assert profile.speculative.method == "mtp"
+    profile.speculative.method = "mtp"
     profile.model.path = str(smollm2[0])  # the user's cache, not the per-test home
+    runtime = Runtime.load(profile)
+    return runtime, Runtime(profile, runtime.target, "none")
+
+
+@pytest.fixture(scope="module")
+def smollm2_eagle3(smollm2):  # noqa: F811
+    """The profile with its EAGLE-3 head (the one the pull attached), and plain on the same target."""
+    profile = load_profile("smollm2")
+    profile.speculative.method = "eagle3"
+    profile.model.path = str(smollm2[0])
     runtime = Runtime.load(profile)
     return runtime, Runtime(profile, runtime.target, "none")
 
@@ -108,3 +119,50 @@ def test_mtp_greedy_equals_plain_on_smollm2(smollm2_runtimes, k):
     # The head drafts real tokens (held out, position 1 accepts 0.41 on average: see
     # benchmarks/smollm2_head.py; these 3 prompts alone are lower).
     assert drafted and accepted >= 5 and accepted / drafted > 0.05
+
+
+EAGLE3_KEYS = {
+    "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+    "midlayer.post_attention_layernorm.weight", "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "norm.weight",
+    "lm_head.weight", "d2t", "t2d"}
+
+
+def test_shipped_eagle3_head_is_small_published_and_what_the_pull_attaches():
+    path = pulled.eagle3_dir("smollm2")
+    weights = path / "model.safetensors"
+    assert weights.stat().st_size <= MAX_HEAD_BYTES
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["draft_vocab_size"] == 8192 and config["vocab_size"] == 49152
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
+    header = {k: v for k, v in safetensors_header(weights).items() if k != "__metadata__"}
+    assert set(header) == EAGLE3_KEYS
+    assert header["d2t"]["dtype"] == "I64" and header["d2t"]["shape"] == [8192]
+    assert {v["dtype"] for k, v in header.items() if k not in ("d2t", "t2d")} == {"BF16"}
+    assert pulled._stamp("smollm2")["eagle3_head"] == pulled.eagle3_digest("smollm2")
+
+
+@pytest.mark.slow
+def test_the_pulled_dir_carries_the_eagle3_head(smollm2):  # noqa: F811
+    attached = smollm2[0] / "eagle3" / "model.safetensors"
+    assert attached.read_bytes() == (pulled.eagle3_dir("smollm2") / "model.safetensors").read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 3])
+def test_eagle3_greedy_equals_plain_on_smollm2(smollm2_eagle3, k):
+    runtime, plain_runtime = smollm2_eagle3
+    params = SamplingParams.from_config(runtime.profile.sampling)  # repetition penalty 1.1
+    accepted = drafted = 0
+    for prompt in PROMPTS[:3]:
+        ids = list(runtime.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                         add_generation_prompt=True))
+        plain, _ = generate(plain_runtime, ids, 48, params)
+        spec, done = generate(runtime, ids, 48, params, k=k)
+        assert spec == plain, prompt
+        accepted += done.stats["spec"]["accepted"]
+        drafted += done.stats["spec"]["drafted"]
+    assert drafted and accepted / drafted > 0.2  # a trained head: see benchmarks/smollm2_head.py
