@@ -133,3 +133,21 @@ def test_a_model_proposer_first_asked_for_by_a_request_is_timed_when_its_group_i
     assert engine.speculator.group("mtp") is not None
     base, per_row = costs["mtp"]
     assert base + per_row > 0 and per_row >= 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("profile_name", ["tiny-eagle3", "tiny"])
+def test_an_eagle3_chain_is_timed_on_the_tapped_states(profile_name):
+    """The head reads the tapped layers' columns: calibration must feed states that wide, at start
+    (its profile) or when a request first asks for it (the layers are tapped then)."""
+    from macspec.config import load_profile
+    from macspec.engine.engine import Engine
+    from macspec.engine.runtime import Runtime
+
+    runtime = Runtime.load(load_profile(profile_name))
+    engine = Engine(runtime)
+    engine.calibrate()
+    runtime.ensure_method("eagle3")
+    assert engine.speculator.group("eagle3") is not None
+    base, per_row = engine.speculator.planner.chain_cost["eagle3"]
+    assert base + per_row > 1e-4  # states too narrow: the head never drafts, ~1 us

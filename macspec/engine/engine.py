@@ -281,8 +281,7 @@ class Engine(BlockingAPI):
     # ---- calibration and reporting -----------------------------------------------------
     def calibrate(self) -> None:
         """Time the target forward (and the profile's proposer) to seed the cost model."""
-        width = self.runtime.view.inner.norm.weight.shape[0]
-        calibrate(self.speculator, self.runner, self.runtime.method, self.max_batch, width)
+        calibrate(self.speculator, self.runner, self.runtime.method, self.max_batch)
 
     def remembered_priors(self, path) -> Callable[[], None]:
         """Load the acceptance priors saved at `path` for this model pair; -> a function that

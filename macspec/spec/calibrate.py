@@ -19,8 +19,9 @@ from .speculator import Speculator
 logger = logging.getLogger(__name__)
 
 
-def calibrate(speculator: Speculator, runner, method: str, max_batch: int, width: int) -> None:
-    """`runner.time_forward(rows, window, repeats)` times the target; `width`: its hidden size."""
+def calibrate(speculator: Speculator, runner, method: str, max_batch: int) -> None:
+    """`runner.time_forward(rows, window, repeats)` times the target; `runner.states_width` is
+    the width of the states heads read (wider once an EAGLE-3 head's layers are tapped)."""
     k_max = max(1, speculator.settings.num_draft_tokens)
     # The largest batch too: on a CPU a wide batch leaves the bandwidth-bound regime.
     # An MoE target's window cost is curved (the experts it reads): one more window to fit it.
@@ -30,8 +31,11 @@ def calibrate(speculator: Speculator, runner, method: str, max_batch: int, width
             for seconds in runner.time_forward(rows, window, 3)[1:]:  # the first pays one-off costs
                 speculator.planner.forward.observe(rows, window, seconds)
     if method != proposers.PLAIN:
-        speculator.guarded("cost_model", _calibrate_chain, speculator, method, k_max, width, drop=method)
-    speculator.calibrate_chain = lambda other: _calibrate_chain(speculator, other, k_max, width)
+        speculator.guarded("cost_model", _calibrate_chain, speculator, method, k_max,
+                           runner.states_width, drop=method)
+    # A head loaded later (a request's method) may tap layers: read the width then.
+    speculator.calibrate_chain = lambda other: _calibrate_chain(speculator, other, k_max,
+                                                                runner.states_width)
     costs = speculator.planner.as_dict()
     logger.info("calibrated step costs (ms): target %s, draft chain %s", costs["forward_ms"],
                 costs["draft_chain_step_ms"])
