@@ -204,3 +204,26 @@ def test_seed_architectures_take_an_eagle3_head_losslessly(tmp_path, profile_nam
                                             adaptive=False)
         assert [c.tokens for c in done] == plain
         assert sum(c.stats["spec"]["drafted"] for c in done) > 0
+
+
+def test_doctor_checks_the_head_without_loading_it(tmp_path):
+    """OK with the head the tiny target ships; a head for another target fails, naming why."""
+    import subprocess
+    import sys
+
+    def doctor(profile_text: str) -> dict:
+        path = tmp_path / "p.toml"
+        path.write_text(profile_text)
+        out = subprocess.run([sys.executable, "-m", "macspec", "doctor", "--profile", str(path), "--json"],
+                             capture_output=True, text=True, timeout=120)
+        return {c["name"]: c for c in json.loads(out.stdout)["checks"]}
+
+    base = 'name = "p"\n[model]\npath = "embedded:tiny-target"\n[speculative]\nmethod = "eagle3"\n'
+    shipped = doctor(base)["EAGLE-3 head"]
+    assert shipped["status"] == "ok" and "reads layers [1, 3, 4] of 6" in shipped["detail"]
+    other = tmp_path / "other"
+    save_head(tiny_head(tiny_runtime("none").target.model), other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "target_hidden_size": 512}))
+    wrong = doctor(base + f'eagle3_head = "{other}"\n')["EAGLE-3 head"]
+    assert wrong["status"] == "fail" and "hidden states of width 512" in wrong["detail"]

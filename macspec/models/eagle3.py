@@ -335,3 +335,38 @@ def _load_checked(head: Eagle3Head, weights: dict[str, mx.array], where: str) ->
     if extra:
         logger.info("EAGLE-3 head %s: ignoring %s", where, ", ".join(extra))
     head.update(tree_unflatten([(k, given[k]) for k in expected]))
+
+
+def check_files(path: Path, target_config: dict | None) -> str:
+    """What doctor says of a head dir without loading it: its config, its weights' names and
+    shapes (safetensors headers) and, given the target's config, whether they fit it."""
+    from .store import safetensors_header
+    from .textconfig import language_config
+
+    config_path = path / CONFIG_FILE
+    if not config_path.is_file():
+        raise ModelLoadError(f"EAGLE-3 head {path}: no {CONFIG_FILE}")
+    config = Eagle3Config.from_dict(json.loads(config_path.read_text()), str(config_path))
+    names: set[str] = set()
+    for file in sorted(path.glob("*.safetensors")):
+        names |= {k for k in safetensors_header(file) if k != "__metadata__"}
+    names = set(_canonical_names(dict.fromkeys(names)))
+    needed = {"fc.weight", "midlayer.self_attn.q_proj.weight", "norm.weight", "lm_head.weight"}
+    if not needed <= names:
+        raise ModelLoadError(f"EAGLE-3 head {path}: missing weights {', '.join(sorted(needed - names))}")
+    if target_config is not None:
+        text = language_config(target_config)
+        layers = config.target_layers(int(text["num_hidden_layers"]))
+        problems = []
+        if config.target_hidden_size != text["hidden_size"]:
+            problems.append(f"it reads hidden states of width {config.target_hidden_size}; the "
+                            f"target's are {text['hidden_size']}")
+        if config.vocab_size != text["vocab_size"]:
+            problems.append(f"its vocab_size is {config.vocab_size}; the target's is {text['vocab_size']}")
+        if any(not 0 <= i < text["num_hidden_layers"] for i in layers):
+            problems.append(f"it reads layers {list(layers)}; the target has {text['num_hidden_layers']}")
+        if problems:
+            raise ModelLoadError(f"EAGLE-3 head {path} does not fit the target: " + "; ".join(problems))
+        return (f"draft vocabulary {config.draft_vocab_size}, reads layers {list(layers)} of "
+                f"{text['num_hidden_layers']}")
+    return f"draft vocabulary {config.draft_vocab_size}"

@@ -160,6 +160,7 @@ class Doctor:
                 self.add("draft tokenizer", FAIL, str(err),
                          "use a draft of the same model family (same tokenizer), or --method mtp / ngram")
         self._mtp_check()
+        self._eagle3_check()
 
     def _model_check(self, role: str, ref: str) -> Path | None:
         from ..models.loader import find_local_model, source_of
@@ -238,6 +239,36 @@ class Doctor:
                      "keep the MTP layer in bf16 when converting")
         else:
             self.add("MTP head", OK, f"layer {layer}, {len(mtp)} tensors, not quantized")
+
+    def _eagle3_check(self) -> None:
+        """The head a method = eagle3 profile names (or the target ships): there, in the published
+        layout, and shaped for this target (read from the files' headers; nothing loaded)."""
+        from .. import proposers
+
+        proposer = proposers.BY_NAME.get(self.profile.speculative.method)
+        if proposer is None or "eagle3" not in (proposer.parts or (proposer.name,)):
+            return
+        target = self.model_dirs.get("target")
+        ref = self.profile.speculative.eagle3_head
+        try:
+            from ..models.eagle3 import check_files
+            from ..models.loader import find_local_model
+
+            if ref:
+                path = find_local_model(ref)
+                if path is None:
+                    self.add("EAGLE-3 head", WARN, f"{ref} is not on this machine yet (downloaded "
+                             "on first use)", f"hf download {ref}")
+                    return
+            elif target is not None:
+                path = target / "eagle3"
+            else:
+                return
+            detail = check_files(path, self.model_configs.get("target"))
+            self.add("EAGLE-3 head", OK, f"{path}: {detail}")
+        except Exception as err:  # any problem with the head is this check's finding
+            self.add("EAGLE-3 head", FAIL, str(err), "set speculative.eagle3_head to a head made "
+                     "for this target (SGLang/SpecForge layout), or use another method")
 
     def fit(self) -> None:
         from .memory import device_limits
