@@ -65,6 +65,25 @@ def random_mtp_head(model, config: dict, seed: int) -> MTPHead:
     return head
 
 
+def random_eagle3_head(model, config: dict, seed: int, draft_vocab: int, scale: float = 1.0):
+    """An EAGLE-3 head over the first `draft_vocab` tokens (the rest never drafted), reading the
+    target's layers 0, 0 and last (a 2-layer target)."""
+    from macspec.models.eagle3 import Eagle3Config, Eagle3Head
+
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    head_config = Eagle3Config(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=hidden // 2, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+        max_position_embeddings=512, vocab_size=config["vocab_size"], draft_vocab_size=draft_vocab,
+        target_hidden_size=hidden, aux_outputs=(0, 0, layers - 1))
+    mx.random.seed(seed)
+    head = Eagle3Head(head_config)
+    head.set_vocab_map(mx.arange(draft_vocab), config["vocab_size"])
+    head.lm_head.weight = head.lm_head.weight * scale
+    mx.eval(head.parameters())
+    return head
+
+
 def tiny_llama_config(vocab: int, hidden: int = 32, layers: int = 2, eos: list[int] | None = None,
                       tied: bool = True) -> dict:
     cfg = {"model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,

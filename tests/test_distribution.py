@@ -15,10 +15,11 @@ from macspec.grammar import GrammarCompiler
 from macspec.sampling import RowContext, SamplingParams, processed_logprobs
 from macspec.models.checkpoint import load_mtp_head
 from macspec.models.loader import load_model
+from macspec.models.eagle3 import save_head
 from macspec.proposers import PROPOSER_NAMES, SINGLE_NAMES
 
 from .conftest import engine_for
-from .modeldirs import (build_model, random_mtp_head, save_model, tiny_llama_config,
+from .modeldirs import (build_model, random_eagle3_head, random_mtp_head, save_model, tiny_llama_config,
                         write_word_tokenizer)
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server/process
@@ -43,6 +44,9 @@ def tiny_vocab_dirs(tmp_path_factory):
     head = random_mtp_head(target, config, seed=3)
     dirs = {"target": save_model(target, config, root / "target", mtp_head=head),
             "draft": save_model(build_model(config, seed=2, scale=SCALE), config, root / "draft")}
+    # Shipped beside the target, as SmolLM2's: over 6 of the 8 tokens (q = 0 for the other two).
+    save_head(random_eagle3_head(target, config, seed=4, draft_vocab=VOCAB - 2, scale=SCALE),
+              dirs["target"] / "eagle3")
     for d in dirs.values():
         write_word_tokenizer(d, [chr(ord("a") + i) for i in range(VOCAB)], byte_level=True)
     return dirs
@@ -54,7 +58,11 @@ def make_runtime(dirs, method: str) -> Runtime:
     profile.speculative.method = method
     target = load_model(str(dirs["target"]))
     # Both proposer models, whichever the method uses (a hybrid pairs one with suffix decoding).
-    return Runtime(profile, target, method, draft=load_model(str(dirs["draft"])), mtp_head=load_mtp_head(target))
+    runtime = Runtime(profile, target, method, draft=load_model(str(dirs["draft"])),
+                      mtp_head=load_mtp_head(target))
+    if "eagle3" in method:
+        runtime.ensure_method(method)
+    return runtime
 
 
 def exact_joint(runtime: Runtime, params: SamplingParams, allowed=None) -> np.ndarray:
