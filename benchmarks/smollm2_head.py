@@ -25,6 +25,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_PROMPTS = ["Explain what RDMA is in two sentences.", "What is a hash table?",
                "Write a Python function that reverses a string."]
+# The profile's k is the MTP head's best (k = 1, fixed); the EAGLE-3 head's chain is trained to
+# 3 steps, so it runs up to 3 with the adaptive controller.
+RUN_SPEC_ARGS = {"eagle3": ["--num-draft", "3", "--adaptive"]}
 # In no recipe's prompts (chat_prompts.build_prompts): what a new user might type first.
 NEW_PROMPTS = ["Explain what a CPU cache is in two sentences.",
                "Give me three tips for writing readable code.",
@@ -107,7 +110,8 @@ def time_run(method: str, prompts: list[str]) -> list[dict]:
     out = []
     for prompt in prompts:
         row = {"prompt": prompt}
-        for label, extra in (("mtp", ["--method", method]), ("none", ["--method", "none"])):
+        for label, extra in (("mtp", ["--method", method, *RUN_SPEC_ARGS.get(method, [])]),
+                             ("none", ["--method", "none"])):
             cmd = ["macspec", "run", prompt, "--profile", "smollm2", "--json", *extra]
             result = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
             row[label] = {"tok_s": result["decode_tokens_per_s"], "tokens": result["generated_tokens"],

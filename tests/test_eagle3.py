@@ -113,9 +113,40 @@ def test_a_head_that_does_not_fit_is_refused_naming_the_mismatch(tmp_path, edit,
         Runtime.load(profile)
 
 
-def test_no_head_named_and_none_shipped_says_what_to_set():
+def test_no_head_named_and_none_shipped_says_what_to_set(tmp_path):
+    from macspec.models.store import embedded_dir
+    for file in (embedded_dir() / "tiny-target").iterdir():  # the target without its shipped head
+        if file.is_file():
+            (tmp_path / file.name).symlink_to(file)
+    profile = profile_with("", method="eagle3")
+    profile.model.path = str(tmp_path)
     with pytest.raises(ModelLoadError, match="speculative.eagle3_head"):
-        Runtime.load(profile_with("", method="eagle3"))
+        Runtime.load(profile)
+
+
+def test_a_request_loading_eagle3_mid_flight_keeps_other_rows_lossless():
+    """Its taps widen the target's states while an MTP row is decoding: that row keeps its width."""
+    from macspec.engine.engine import Engine
+    from macspec.engine.request import GenerationRequest, Tokens
+    engine = Engine(Runtime.load(load_profile("tiny")), max_batch=4)  # MTP; EAGLE-3 on demand
+    prompt = [814, 3367, 202, 814, 3093, 202, 17, 99, 240]
+    out = {}
+
+    def submit(method):
+        tokens = out.setdefault(method, [])
+        sink = lambda e: tokens.extend(e.ids) if isinstance(e, Tokens) else None  # noqa: E731
+        engine.add_request(GenerationRequest(prompt=list(prompt), params=SamplingParams(), max_tokens=40,
+                                             sink=sink, method=method, num_draft=3, adaptive=False))
+
+    submit("mtp")
+    for _ in range(3):
+        engine.step()
+    submit("eagle3")
+    submit("none")
+    while engine.has_work:
+        engine.step()
+    assert len(out["none"]) == 40
+    assert out["mtp"] == out["none"] == out["eagle3"]
 
 
 def test_tapped_layers_are_the_layer_outputs_of_the_same_forward():

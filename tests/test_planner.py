@@ -31,6 +31,20 @@ def test_bandwidth_bound_keeps_speculating_at_any_batch():
     assert all(k >= 3 for k in planner.plan(rows(16)))
 
 
+def test_processed_rows_pay_their_drafts_processing():
+    """A sampled row's drafts each compute a processed distribution over the vocabulary: where
+    that costs more than the drafts save, its row stops drafting; plain greedy rows beside it,
+    with the same acceptance, keep theirs."""
+    planner = planner_with(base_s=0.02, per_row_s=0.0, per_position_s=1e-5, draft_s=1e-4)
+    planner.processed_cost["draft"] = 0.02  # as much as a forward, per draft per row
+    sampled, greedy = rows(1, alpha=0.4), rows(1, alpha=0.4)
+    sampled[0].processed = True
+    assert planner.pays_alone(greedy[0]) and not planner.pays_alone(sampled[0])
+    assert max(planner.plan(sampled)) == 0 and max(planner.plan(greedy)) > 0
+    planner.processed_cost["draft"] = 0.0
+    assert max(planner.plan(sampled)) > 0
+
+
 def test_compute_bound_k_falls_with_batch_size():
     planner = planner_with(base_s=0.004, per_row_s=0.0, per_position_s=0.001, draft_s=2e-4)
     ks = {b: max(planner.plan(rows(b))) for b in (1, 2, 4, 8, 16)}
@@ -151,3 +165,4 @@ def test_an_eagle3_chain_is_timed_on_the_tapped_states(profile_name):
     assert engine.speculator.group("eagle3") is not None
     base, per_row = engine.speculator.planner.chain_cost["eagle3"]
     assert base + per_row > 1e-4  # states too narrow: the head never drafts, ~1 us
+    assert engine.speculator.planner.processed_cost["eagle3"] > 0  # a sampled row's q per draft

@@ -156,7 +156,7 @@ def test_the_pulled_dir_carries_the_eagle3_head(smollm2):  # noqa: F811
 def test_eagle3_greedy_equals_plain_on_smollm2(smollm2_eagle3, k):
     runtime, plain_runtime = smollm2_eagle3
     params = SamplingParams.from_config(runtime.profile.sampling)  # repetition penalty 1.1
-    accepted = drafted = 0
+    accepted = steps = 0
     for prompt in PROMPTS[:3]:
         ids = list(runtime.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                          add_generation_prompt=True))
@@ -164,5 +164,6 @@ def test_eagle3_greedy_equals_plain_on_smollm2(smollm2_eagle3, k):
         spec, done = generate(runtime, ids, 48, params, k=k)
         assert spec == plain, prompt
         accepted += done.stats["spec"]["accepted"]
-        drafted += done.stats["spec"]["drafted"]
-    assert drafted and accepted / drafted > 0.2  # a trained head: see benchmarks/smollm2_head.py
+        steps += done.stats["spec"]["speculative_steps"]
+    # a trained head (a random one accepts ~0): ~0.4 per step at k=1, see benchmarks/smollm2_head.py
+    assert steps and accepted / steps > 0.2

@@ -21,6 +21,7 @@ from ..errors import EngineUnavailableError, MacspecError
 from ..grammar import GrammarError
 from ..kv.disk import open_store
 from ..kv.prefix import PrefixCache
+from ..models.view import join_states
 from ..monitor.memory import MB, KVBudget
 from ..spec.calibrate import calibrate
 from ..spec.planner import moe_shape
@@ -148,7 +149,7 @@ class Engine(BlockingAPI):
         self._commit(seq, [verdict.tolist()[1]], window.logprob_entries(report, 1, seq.request.logprobs))
         hidden_rows, hidden_start = None, seq.reused_prefix
         if seq.hidden_chunks:  # the reused prefix's states (from its cache entry) come first
-            hidden_rows, hidden_start = mx.concatenate(seq.states + seq.hidden_chunks), 0
+            hidden_rows, hidden_start = join_states(seq.states + seq.hidden_chunks), 0
             seq.states = [hidden_rows]
         if not seq.finished:
             self.speculator.start(seq, hidden_rows, hidden_start)

@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from ..errors import RequestError
 from ..kv.prefix import PrefixCache
+from ..models.view import join_states
 from ..monitor.memory import MB, KVBudget
 from .runner import NO_ENTRY
 from .sequence import Sequence
@@ -254,5 +255,5 @@ def _states(seq: Sequence, length: int) -> mx.array | None:
     """The target's states for `seq`'s first `length` positions, when it kept them all."""
     if not _needs_states(seq) or not seq.states:
         return None
-    states = mx.concatenate(seq.states) if len(seq.states) > 1 else seq.states[0]
+    states = join_states(seq.states)
     return states[:length] if states.shape[0] >= length else None

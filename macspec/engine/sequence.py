@@ -9,6 +9,7 @@ import mlx.core as mx
 
 from .. import proposers
 from ..errors import RequestError
+from ..models.view import join_states
 from ..sampling import Rng, RowContext
 from ..spec.base import ProposerGroup
 from ..spec.controller import RowController
@@ -107,7 +108,7 @@ class Sequence:
         """The target's states for the positions just committed (a proposer reads them)."""
         self.states.append(hidden)
         if len(self.states) > 16:  # each is a view holding its whole step's [B, W, H] alive
-            self.states = [mx.concatenate(self.states)]
+            self.states = [join_states(self.states)]
 
     def emit(self, event: Event) -> None:
         if self.closed:
@@ -173,6 +174,8 @@ def new_sequence(req: GenerationRequest, runtime, speculator: Speculator, max_co
     if not req.ignore_eos:
         eos |= set(runtime.tokenizer.eos_token_ids)
     need = (len(req.prompt) + req.max_tokens + k_max + 1) * runtime.kv_bytes_per_token(method, tp_size)
-    return Sequence(req, method, proposer, speculator.controller(method, k_max, adaptive),
+    # As RowContext.is_plain_greedy: anything else computes a processed distribution per draft.
+    processed = not (req.params.is_greedy and not req.params.has_processing and req.constraint is None)
+    return Sequence(req, method, proposer, speculator.controller(method, k_max, adaptive, processed),
                     GenerationStats(method, k_max), Rng(req.params.seed), eos,
                     list(req.prompt), kv_need=need)

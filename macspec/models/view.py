@@ -76,6 +76,15 @@ class Taps:
         return mx.concatenate([hidden, *(p.astype(hidden.dtype) for p in parts)], axis=-1)
 
 
+def join_states(blocks: list[mx.array]) -> mx.array:
+    """Blocks of one row's states, oldest first, joined. Taps installed mid-flight (a request
+    loaded an EAGLE-3 head) widen later blocks; the row keeps the width all blocks share."""
+    if len(blocks) == 1:
+        return blocks[0]
+    width = min(b.shape[-1] for b in blocks)
+    return mx.concatenate([b[..., :width] if b.shape[-1] > width else b for b in blocks])
+
+
 def tap_layers(model: nn.Module, layers: tuple[int, ...]) -> Taps:
     """Make `layers` (indices into the decoder stack) keep their outputs on every forward; the
     layer objects get a subclass, so their weights and names stay as they are. Idempotent for

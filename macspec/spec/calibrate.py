@@ -41,30 +41,45 @@ def calibrate(speculator: Speculator, runner, method: str, max_batch: int) -> No
                 costs["draft_chain_step_ms"])
 
 
+PROCESSED = SamplingParams(temperature=0.7)  # a sampled row: what processed drafting costs
+
+
 def _calibrate_chain(speculator: Speculator, method: str, k_max: int, width: int) -> None:
-    """Seconds per chain step of a model proposer, on scratch rows of a scratch group."""
+    """Seconds per chain step of a model proposer, on scratch rows of a scratch group: plain
+    greedy at one and four rows, and one sampled row (its processed distribution per draft)."""
     seconds = {}
-    for count in (1, 4):
-        group = speculator.make_group(method)
-        if not group.lazy_chain:  # host proposers are timed as they run
+    for count, params in ((1, SamplingParams()), (4, SamplingParams()), ("sampled", PROCESSED)):
+        seconds[count] = _time_chain(speculator, method, k_max, width, 1 if count == "sampled" else count,
+                                     params)
+        if seconds[count] is None:
             return
-        committed = list(range(1, 18))
-        # Random states, not zeros: an MoE head routes zeros of every row to the same experts.
-        states = mx.random.normal((16 + 3 * count, width), key=mx.random.key(count))
-        hidden = states[:16] if group.needs_hidden else None
-        for key in range(count):
-            group.join(key, committed, hidden)
-        times = []
-        for repeat in range(3):
-            rows = [ChainRow(key, RowContext(SamplingParams(), committed), k_max, Rng(0))
-                    for key in range(count)]
-            for key in range(count):
-                group.observe(key, states[16 + 3 * key + repeat][None])
-            t0 = time.perf_counter()
-            drafts = group.propose(rows)
-            mx.eval([d.tokens for d in drafts.values()], group.cache_arrays())
-            times.append((time.perf_counter() - t0) / k_max)
-            group.settle({})
-            committed = committed + [1]
-        seconds[count] = min(times[1:])
     speculator.planner.calibrate_proposer(method, seconds[1], 4, seconds[4])
+    speculator.planner.processed_cost[method] = max(0.0, seconds["sampled"] - seconds[1])
+
+
+def _time_chain(speculator: Speculator, method: str, k_max: int, width: int, count: int,
+                params: SamplingParams) -> float | None:
+    """Seconds per chain step over `count` scratch rows drafting with `params` (None: a host
+    proposer, timed as it runs)."""
+    group = speculator.make_group(method)
+    if not group.lazy_chain:
+        return None
+    committed = list(range(1, 18))
+    # Random states, not zeros: an MoE head routes zeros of every row to the same experts.
+    states = mx.random.normal((16 + 3 * count, width), key=mx.random.key(count))
+    hidden = states[:16] if group.needs_hidden else None
+    for key in range(count):
+        group.join(key, committed, hidden)
+    times = []
+    for repeat in range(3):
+        rows = [ChainRow(key, RowContext(params, committed), k_max, Rng(0))
+                for key in range(count)]
+        for key in range(count):
+            group.observe(key, states[16 + 3 * key + repeat][None])
+        t0 = time.perf_counter()
+        drafts = group.propose(rows)
+        mx.eval([d.tokens for d in drafts.values()], group.cache_arrays())
+        times.append((time.perf_counter() - t0) / k_max)
+        group.settle({})
+        committed = committed + [1]
+    return min(times[1:])

@@ -42,6 +42,9 @@ class RowController:
     probe_due: bool = False  # waited its interval; the planner starts the probe
     probe_k: int = 2
     prior: list[float] | None = None  # the method's acceptance so far across requests
+    # Its drafts are processed (sampled, penalised, biased): each chain step also computes its
+    # processed distribution over the whole vocabulary, a cost plain greedy rows do not pay.
+    processed: bool = False
     first_probe_interval: int | None = None  # the method's probe backoff so far, if any
 
     def __post_init__(self):

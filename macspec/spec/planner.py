@@ -126,6 +126,9 @@ class BatchPlanner:
         # method -> the deepest its chain runs whatever k (a hybrid's model drafts at most its
         # own k; deeper drafts come from its suffix index, free of chain steps).
         self.chain_caps: dict[str, int] = {}
+        # method -> seconds per chain step a processed row (sampled, penalised) adds to the chain:
+        # its processed distribution over the whole vocabulary (calibration times it).
+        self.processed_cost: dict[str, float] = {}
         self.steps_since_probe = 1 << 30  # the first due probe may start at once
 
     def proposer_cost(self, method: str, rows: int = 1) -> float:
@@ -133,9 +136,11 @@ class BatchPlanner:
         a, b = self.chain_cost.get(method, (0.0, 0.0))
         return a + b * rows
 
-    def chain_seconds(self, method: str, k: int, rows: int = 1) -> float:
-        """Seconds `method` spends drafting k tokens for `rows` rows at once."""
-        return self.proposer_cost(method, rows) * min(k, self.chain_caps.get(method, k))
+    def chain_seconds(self, method: str, k: int, rows: int = 1, processed: int = 0) -> float:
+        """Seconds `method` spends drafting k tokens for `rows` rows at once, `processed` of them
+        processed rows."""
+        steps = min(k, self.chain_caps.get(method, k))
+        return (self.proposer_cost(method, rows) + processed * self.processed_cost.get(method, 0.0)) * steps
 
     def observe_proposer(self, method: str, tokens: int, seconds: float) -> None:
         """A measured chain of `tokens` steps (one row's worth; the per-row slope is kept)."""
@@ -153,10 +158,12 @@ class BatchPlanner:
         """Each method's chain runs max(k) steps over all of its rows."""
         depth: dict[str, int] = {}
         members: dict[str, int] = {}
+        processed: dict[str, int] = {}
         for row, k in zip(rows, ks):
             members[row.method] = members.get(row.method, 0) + 1
             depth[row.method] = max(depth.get(row.method, 0), k)
-        return sum(self.chain_seconds(m, k, members[m]) for m, k in depth.items() if k)
+            processed[row.method] = processed.get(row.method, 0) + int(row.processed and k > 0)
+        return sum(self.chain_seconds(m, k, members[m], processed[m]) for m, k in depth.items() if k)
 
     def observe_step(self, rows: int, window: int, forward_s: float, rest_s: float) -> None:
         self.forward.observe(rows, window, forward_s)
@@ -168,7 +175,8 @@ class BatchPlanner:
     def pays_alone(self, row: RowController) -> bool:
         """Does this row's best k, with the batch to itself, beat plain decoding?"""
         plain = 1.0 / self.step_cost(1, 1, 0.0)
-        return any(expected_tokens(row.alphas, k) / self.step_cost(1, k + 1, self.chain_seconds(row.method, k))
+        return any(expected_tokens(row.alphas, k) / self.step_cost(1, k + 1, self.chain_seconds(
+                       row.method, k, processed=int(row.processed)))
                    > plain * NEAR_TIE
                    for k in range(1, row.k_max + 1))
 
@@ -223,7 +231,8 @@ class BatchPlanner:
                            "per_position": round(float(c[2]) * 1e3, 5),
                            **({"per_expert_read": round(float(c[3]) * 1e3, 5)} if self.forward.moe else {})},
             "moe": list(self.forward.moe) if self.forward.moe else None,
-            "draft_chain_step_ms": {m: {"base": round(a * 1e3, 4), "per_row": round(b * 1e3, 5)}
+            "draft_chain_step_ms": {m: {"base": round(a * 1e3, 4), "per_row": round(b * 1e3, 5),
+                                        "per_processed_row": round(self.processed_cost.get(m, 0.0) * 1e3, 5)}
                                     for m, (a, b) in self.chain_cost.items()},
             "row_overhead_ms": round(self.row_overhead * 1e3, 4),
         }

@@ -54,11 +54,11 @@ class Speculator:
                 self.guarded("cost_model", self.calibrate_chain, method)  # drops nothing
         return self.groups[method]
 
-    def controller(self, method: str, k_max: int, adaptive: bool) -> RowController:
+    def controller(self, method: str, k_max: int, adaptive: bool, processed: bool = False) -> RowController:
         prior = self.priors.get(method)
         return RowController(k_max, adaptive, method, self.settings.probe_min_steps,
                              self.settings.probe_max_steps, prior=prior.alphas if prior else None,
-                             first_probe_interval=self.probe_intervals.get(method))
+                             first_probe_interval=self.probe_intervals.get(method), processed=processed)
 
     def start(self, seq, hidden: mx.array | None, hidden_start: int) -> None:
         """`seq`'s prompt is in and its first token committed: its proposer takes it on."""
