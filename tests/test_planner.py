@@ -45,6 +45,51 @@ def test_processed_rows_pay_their_drafts_processing():
     assert max(planner.plan(sampled)) > 0
 
 
+def test_a_lookup_outlook_stands_in_for_the_model_rows_acceptance():
+    """A hybrid row whose model drafts do not pay is off; a step where its suffix match is
+    confident (the outlook) still drafts, charged no chain steps; without one it stays off."""
+    planner = planner_with(base_s=0.004, per_row_s=0.0, per_position_s=0.001)
+    planner.observe_proposer("mtp+suffix", 1, 0.004)
+    row = RowController(4, True, "mtp+suffix", probe_min_steps=8)
+    row.alphas = [0.2] * 4
+    row.observe(1, 0, planner.pays_alone(row))
+    assert row.is_off and planner.plan([row]) == [0]
+    row.outlook = [0.95, 0.95, 0.9]  # a suffix draft of three tokens, each nearly sure
+    [k] = planner.plan([row])
+    assert k >= 2
+    assert planner.draft_seconds([row], [k]) == 0.0  # a lookup runs no chain
+    row.outlook = None
+    assert planner.draft_seconds([row], [k]) > 0.0
+
+
+@pytest.mark.slow  # loads the tiny target and its draft
+def test_hybrid_outlook_offers_the_suffix_draft_the_plan_counts_on():
+    """The hybrid's outlook finds the suffix draft before the plan; propose then drafts exactly it
+    (cut to the planned k), and the draft model drafts only for the row without one."""
+    import mlx.core as mx
+
+    from macspec.sampling import Rng, RowContext, SamplingParams
+    from macspec.spec.base import ChainRow
+    from macspec.spec.hybrid import suffix_alphas
+
+    from .conftest import tiny_runtime
+    runtime = tiny_runtime("draft+suffix")
+    group = runtime.make_group("draft+suffix", runtime.vocab_size)
+    repeated = [5, 6, 8, 9, 10, 11, 12, 13] * 3 + [5, 6]  # its continuation is known
+    fresh = [40, 41, 42, 43]
+    for key, committed in ((1, repeated), (2, fresh)):
+        group.join(key, committed, None)
+    row = lambda key, committed, k: ChainRow(key, RowContext(SamplingParams(), committed), k, Rng(0))  # noqa: E731
+    outlook = group.outlook(row(1, repeated, 6))
+    assert outlook is not None and len(outlook) >= 3 and min(outlook) > 0.5
+    assert group.outlook(row(2, fresh, 6)) is None
+    drafts = group.propose([row(1, repeated, 3), row(2, fresh, 2)])
+    assert drafts[1].tokens == [8, 9, 10]
+    assert isinstance(drafts[2].tokens, mx.array) and drafts[2].tokens.shape[0] >= 1
+    assert [group.choices[k].used for k in (1, 2)] == ["suffix", "model"]
+    assert suffix_alphas(0.5, [1.0, 0.5]) == [0.5, 0.5]
+
+
 def test_compute_bound_k_falls_with_batch_size():
     planner = planner_with(base_s=0.004, per_row_s=0.0, per_position_s=0.001, draft_s=2e-4)
     ks = {b: max(planner.plan(rows(b))) for b in (1, 2, 4, 8, 16)}

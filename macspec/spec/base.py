@@ -74,6 +74,13 @@ class ProposerGroup(ABC):
         """Drafts for the rows with k > 0 (lazy where the proposer is a model). `rows` covers
         every row the group holds."""
 
+    def outlook(self, row: ChainRow) -> list[float] | None:
+        """Before the plan, for a row that may draft up to `row.k`: its acceptance per draft
+        position this step when the group knows it better than the row's history does (a
+        hybrid's confident suffix match), else None. A row with an outlook drafts without
+        running the group's chain."""
+        return None
+
     def settle(self, accepted: dict[int, int]) -> None:
         """After verification: row key -> how many of its drafts were accepted."""
 

@@ -46,6 +46,10 @@ class RowController:
     # processed distribution over the whole vocabulary, a cost plain greedy rows do not pay.
     processed: bool = False
     first_probe_interval: int | None = None  # the method's probe backoff so far, if any
+    # This step's acceptance per position from a lookup that knows its match (a hybrid's suffix
+    # draft), set before each plan; it stands in for `alphas`, which track the model's drafts,
+    # and an off row may still take it.
+    outlook: list[float] | None = None
 
     def __post_init__(self):
         # Start from what this method achieved for earlier requests: no exploration from scratch.
@@ -74,7 +78,7 @@ class RowController:
         if self.is_off:
             self.steps_until_probe = max(0, self.steps_until_probe - 1)
             self.probe_due = self.steps_until_probe == 0
-            return 0
+            return 0 if self.outlook is None else None
         return None
 
     def start_probe(self, k: int) -> int:

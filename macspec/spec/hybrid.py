@@ -3,6 +3,11 @@ step, per row, the proposal with the larger expected accepted length. The suffix
 when the answer restates its context (its match is long and its continuation agreed on); the
 model guesses everything else.
 
+The choice is made before the plan (`outlook`): a row whose suffix draft wins hands the planner
+that draft's path probabilities as this step's acceptance, so the planner weighs the two kinds by
+what each is expected to yield and charges a suffix row no chain steps; the row's controller
+keeps tracking the model's drafts only.
+
 Expected accepted tokens, per row: the suffix draft's Σ path probability (the share of matching
 occurrences agreeing on each prefix), scaled by how well such estimates held for this row; the
 model's Σ α^j over its k drafts, α its measured per-token acceptance on this row. Both are
@@ -52,6 +57,18 @@ class RowChoice:
     used: str = ""  # "model" | "suffix" | "": which proposal the last step verified
     drafted: int = 0
     expected: float = 0.0  # what the suffix estimate promised for that draft
+    # This step's suffix draft as outlook() found it: (committed length, tokens, path
+    # probabilities, whether it beats the model's).
+    found: tuple[int, list[int], list[float], bool] | None = None
+
+
+def suffix_alphas(trust: float, probs: list[float]) -> list[float]:
+    """Per-position acceptance whose expected accepted length is trust × Σ path probabilities."""
+    alphas, before = [], 1.0
+    for i, p in enumerate(probs):
+        alphas.append(min(1.0, trust * p) if i == 0 else (p / before if before > 0 else 0.0))
+        before = p
+    return alphas
 
 
 class HybridGroup(ProposerGroup):
@@ -85,17 +102,37 @@ class HybridGroup(ProposerGroup):
     def cache_arrays(self) -> list:
         return self.model.cache_arrays()
 
+    def outlook(self, row: ChainRow) -> list[float] | None:
+        choice = self.choices.get(row.key)
+        if choice is None:
+            return None
+        tokens, probs = self.suffix.suggest(row.key, row.committed, row.k, with_recent(row))
+        wins = bool(tokens) and self._suffix_wins(choice, probs, row.k)
+        choice.found = (len(row.committed), tokens, probs, wins)
+        return suffix_alphas(choice.suffix_trust, probs) if wins else None
+
+    def _suffix_wins(self, choice: RowChoice, probs: list[float], k: int) -> bool:
+        model_gain = sum(choice.model_alpha ** j for j in range(1, min(k, self.model_k_max) + 1))
+        return choice.suffix_trust * sum(probs) >= model_gain
+
+    def _found(self, choice: RowChoice, row: ChainRow) -> tuple[list[int], list[float], bool]:
+        """The suffix draft for this step: outlook's (the plan counted on its choice), or found now."""
+        if choice.found is not None and choice.found[0] == len(row.committed):
+            _, tokens, probs, wins = choice.found
+            return tokens[:row.k], probs[:row.k], wins and row.k > 0
+        tokens, probs = self.suffix.suggest(row.key, row.committed, row.k, with_recent(row))
+        return tokens, probs, bool(tokens) and self._suffix_wins(choice, probs, row.k)
+
     def propose(self, rows: list[ChainRow]) -> dict[int, Drafts]:
         picked: dict[int, Drafts] = {}
         model_rows = []
         for row in rows:
             choice = self.choices[row.key]
             choice.used, choice.drafted = "", 0
-            tokens, probs = self.suffix.suggest(row.key, row.committed, row.k, with_recent(row))
+            tokens, probs, suffix_wins = self._found(choice, row)
+            choice.found = None
             model_k = min(row.k, self.model_k_max)
-            suffix_gain = choice.suffix_trust * sum(probs)
-            model_gain = sum(choice.model_alpha ** j for j in range(1, model_k + 1))
-            if tokens and suffix_gain >= model_gain:
+            if suffix_wins:
                 picked[row.key] = Drafts(tokens)
                 choice.used, choice.drafted, choice.expected = "suffix", len(tokens), sum(probs)
                 model_k = 0  # rides along in the model's chain, catching up next time

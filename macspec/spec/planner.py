@@ -160,9 +160,10 @@ class BatchPlanner:
         members: dict[str, int] = {}
         processed: dict[str, int] = {}
         for row, k in zip(rows, ks):
+            chain_k = 0 if row.outlook is not None else k  # a lookup's drafts need no chain steps
             members[row.method] = members.get(row.method, 0) + 1
-            depth[row.method] = max(depth.get(row.method, 0), k)
-            processed[row.method] = processed.get(row.method, 0) + int(row.processed and k > 0)
+            depth[row.method] = max(depth.get(row.method, 0), chain_k)
+            processed[row.method] = processed.get(row.method, 0) + int(row.processed and chain_k > 0)
         return sum(self.chain_seconds(m, k, members[m], processed[m]) for m, k in depth.items() if k)
 
     def observe_step(self, rows: int, window: int, forward_s: float, rest_s: float) -> None:
@@ -207,7 +208,7 @@ class BatchPlanner:
         """Due rows probe together once the batch has decoded long enough since the last probe
         for PROBE_STEPS steps at the probe's window to stay within PROBE_BUDGET."""
         self.steps_since_probe += 1
-        due = [i for i, row in enumerate(rows) if row.probe_due]
+        due = [i for i, row in enumerate(rows) if row.probe_due and row.outlook is None]
         if not due:
             return
         k = 1 if self.forward.moe else 2  # on MoE every extra position reads more experts
@@ -221,7 +222,8 @@ class BatchPlanner:
             forced[i] = rows[i].start_probe(k)
 
     def _rate(self, rows, ks) -> float:
-        gain = sum(expected_tokens(r.alphas, k) for r, k in zip(rows, ks))
+        gain = sum(expected_tokens(r.outlook if r.outlook is not None else r.alphas, k)
+                   for r, k in zip(rows, ks))
         return gain / self.step_cost(len(rows), max(ks) + 1, self.draft_seconds(rows, ks))
 
     def as_dict(self) -> dict:

@@ -73,6 +73,11 @@ class Speculator:
         for seq in seqs:
             self._orphaned(seq)
         self._retain(seqs)
+        for seq in seqs:
+            seq.controller.outlook = None if seq.proposer is None else self.guarded(
+                "propose", seq.proposer.outlook, ChainRow(seq.request.id, seq.context(),
+                                                          min(seq.controller.k_max, seq.room(max_context)), seq.rng),
+                drop=seq)
         ks = self.guarded("plan", self.planner.plan, [s.controller for s in seqs])
         if ks is None or len(ks) != len(seqs):
             return [0] * len(seqs)
@@ -190,6 +195,9 @@ class Speculator:
 
     def _observe_controller(self, controller: RowController, drafted: int, accepted: int) -> None:
         if controller.k_max == 0:  # plain decoding: nothing to decide
+            return
+        if controller.outlook is not None:  # a lookup's step: its group tracks how those hold
+            controller.last_k = drafted
             return
         controller.observe(drafted, accepted, not controller.adaptive or self.planner.pays_alone(controller))
         if controller.num_probes:
