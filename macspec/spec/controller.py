@@ -17,7 +17,11 @@ from dataclasses import dataclass, field
 logger = logging.getLogger(__name__)
 
 ALPHA_PRIOR = 0.7  # optimistic start so k_max is tried (and measured) first
-ALPHA_WEIGHT = 0.15  # EWMA weight of one observation
+# A position's n-th observation weighs 1 / (n + PRIOR_TRIALS): the first few move the estimate
+# off its prior at once (a useless draft is off within ~6 steps), later ones average over
+# ~1 / ALPHA_WEIGHT steps (a fixed 0.15 swung ±0.14 on a 0.45 head and turned rows off by chance).
+PRIOR_TRIALS = 3
+ALPHA_WEIGHT = 0.08
 PROBE_STEPS = 4  # speculative steps in one probe
 
 
@@ -31,6 +35,7 @@ class RowController:
     probe_min_steps: int = 64
     probe_max_steps: int = 4096
     alphas: list[float] = field(default_factory=list)
+    reached: list[int] = field(default_factory=list)  # observations per draft position
     is_off: bool = False
     probe_interval: int = 0
     steps_until_probe: int = 0
@@ -55,7 +60,8 @@ class RowController:
         # Start from what this method achieved for earlier requests: no exploration from scratch.
         prior = list(self.prior or [])[:self.k_max]
         self.alphas = prior + [prior[-1] if prior else ALPHA_PRIOR] * (self.k_max - len(prior))
-        self.prior = None
+        self.prior = list(self.alphas)  # where a position this row never reached starts from
+        self.reached = [0] * self.k_max
         self.probe_interval = min(max(self.first_probe_interval or 0, self.probe_min_steps),
                                   self.probe_max_steps)
 
@@ -93,7 +99,7 @@ class RowController:
         """After a step: k drafted, `accepted` taken; `pays_alone` = speculation beats plain
         for this row's acceptance even with the batch to itself."""
         self.last_k = k
-        observe_acceptance(self.alphas, k, accepted)
+        observe_acceptance(self.alphas, k, accepted, self.reached, self.prior)
         if not self.adaptive or self.k_max == 0:
             return
         if self.probe_left:
@@ -128,15 +134,19 @@ def expected_tokens(alphas: list[float], k: int) -> float:
     return total
 
 
-def observe_acceptance(alphas: list[float], k: int, accepted: int) -> None:
-    """EWMA of the acceptance at each draft position reached in a step of k drafts."""
+def observe_acceptance(alphas: list[float], k: int, accepted: int, reached: list[int],
+                       prior: list[float]) -> None:
+    """Running mean (see PRIOR_TRIALS) of the acceptance at each draft position reached in a step
+    of k drafts; `reached` counts each position's observations, `prior` is where it started."""
     for i in range(min(accepted + 1, k)):
+        reached[i] += 1
         hit = 1.0 if i < accepted else 0.0
-        alphas[i] += ALPHA_WEIGHT * (hit - alphas[i])
-    # Positions beyond the deepest one observed so far are assumed no better than it.
-    for i in range(k, len(alphas)):
-        if k > 0:
-            alphas[i] = min(alphas[i], alphas[k - 1])
+        alphas[i] += max(ALPHA_WEIGHT, 1.0 / (reached[i] + PRIOR_TRIALS)) * (hit - alphas[i])
+    # A position never reached is assumed no better than the one before it, as it stands now: a
+    # cap kept from a bad stretch would stop k from ever growing past it again.
+    for i in range(1, len(alphas)):
+        if not reached[i]:
+            alphas[i] = min(prior[i], alphas[i - 1])
 
 
 class AcceptancePrior:
