@@ -167,11 +167,16 @@ class TargetRunner:
             cache = make_trimmable_cache(self.view.model)
             mx.eval(self.view.hidden(prompt, cache), cache_arrays(cache))
             kv.add_row(cache, prompt.shape[1])
+        # Distinct tokens per row and position, the same on every rank (a fixed key): one token
+        # repeated routes every position of an MoE target to the same experts, so the window
+        # looked nearly free and the planner drafted where a real window loses.
+        vocab = int(self.view.inner.embed_tokens.weight.shape[0])
+        tokens = mx.random.randint(1, max(2, min(vocab, 4096)), (rows, window), key=mx.random.key(rows * 64 + window))
         times = []
         for _ in range(repeats):
             kv.begin(window)
             t0 = time.perf_counter()
-            logits, hidden = self.view.forward(mx.array([[1] * window] * rows), kv.layers)
+            logits, hidden = self.view.forward(tokens, kv.layers)
             mx.eval(logits, hidden)
             times.append(time.perf_counter() - t0)
         return times
