@@ -46,7 +46,8 @@ class RowController:
     last_k: int = 0
     probe_due: bool = False  # waited its interval; the planner starts the probe
     probe_k: int = 2
-    prior: list[float] | None = None  # the method's acceptance so far across requests
+    # The method's acceptance so far across requests; after init, this row's starting estimate.
+    prior: list[float] | None = None
     # Its drafts are processed (sampled, penalised, biased): each chain step also computes its
     # processed distribution over the whole vocabulary, a cost plain greedy rows do not pay.
     processed: bool = False
