@@ -54,10 +54,11 @@ def simulate(device: str, head: str, bursty: bool, seed: int, steps: int, k: int
     for _ in range(steps):
         if bursty and rng.random() < 0.1:
             hard = not hard
+        swing = (-0.3 if hard else 0.3) if bursty else 0.0  # a useless head stays useless
         drafts = planner.plan([row])[0]
         accepted = 0
         for i in range(drafts):
-            alpha = min(1.0, max(0.0, alphas[i] + ((-0.3 if hard else 0.3) if bursty and alphas[i] else 0.0)))
+            alpha = min(1.0, max(0.0, alphas[i] + swing)) if alphas[i] else 0.0
             if rng.random() >= alpha:
                 break
             accepted += 1

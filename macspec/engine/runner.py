@@ -171,7 +171,8 @@ class TargetRunner:
         # repeated routes every position of an MoE target to the same experts, so the window
         # looked nearly free and the planner drafted where a real window loses.
         vocab = int(self.view.inner.embed_tokens.weight.shape[0])
-        tokens = mx.random.randint(1, max(2, min(vocab, 4096)), (rows, window), key=mx.random.key(rows * 64 + window))
+        tokens = mx.random.randint(1, max(2, min(vocab, 4096)), (rows, window),
+                                   key=mx.random.key(rows * 64 + window))
         times = []
         for _ in range(repeats):
             kv.begin(window)
