@@ -15,7 +15,7 @@ macspec's rows also report host syncs per decode step and the mean k from /v1/st
 
   python benchmarks/serve.py [--target tiny|tiny-wide|tiny-moe|smollm2] [--draft distilled|random]
       [--temperature 0] [--quick] [--concurrency 1,4,8,16] [--max-tokens 64] [--json-out F]
-      [--methods mtp,ngram] [--fixed-k 0,1,2,3] [--tensor-parallel 2 --no-mlx-lm]
+      [--methods mtp,ngram] [--fixed-k 0,1,2,3] [--tensor-parallel 2 --no-mlx-lm] [--ignore-eos]
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def step_figures(before: dict | None, after: dict | None) -> dict:
 
 
 async def scenario(url: str, concurrency: int, rounds: int, texts: list[str], extra: dict,
-                   max_tokens: int, tokenizer, temperature: float = 0.0) -> dict:
+                   max_tokens: int, tokenizer, temperature: float = 0.0, ignore_eos: bool = False) -> dict:
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         async def client(c: int):
@@ -117,7 +117,8 @@ async def scenario(url: str, concurrency: int, rounds: int, texts: list[str], ex
             for r in range(rounds):
                 prompt = texts[(c * rounds + r) % len(texts)]
                 body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
-                        "stream_options": {"include_usage": True}, **extra}
+                        "stream_options": {"include_usage": True}, **extra,
+                        **({"ignore_eos": True} if ignore_eos else {})}
                 out.append(await one_request(session, url, body))
             return out
 
@@ -176,6 +177,8 @@ def main() -> None:
                     "mtp,ngram (each its own row beside the profile's method)")
     ap.add_argument("--draft", default="distilled", choices=("distilled", "random"))
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--ignore-eos", action="store_true", help="every answer runs to --max-tokens "
+                    "(vLLM's option; mlx_lm.server has none: use with --no-mlx-lm)")
     ap.add_argument("--repeats", type=int, default=2, help="alternating repeats per level (mean)")
     ap.add_argument("--tensor-parallel", type=int, default=1, help="macspec over N local ranks "
                     "(ring over 127.0.0.1; mlx_lm.server has no TP: use with --no-mlx-lm)")
@@ -245,7 +248,7 @@ def main() -> None:
         # tiny-moe, whose prefill is slow on a CPU, that alone cost spec on 0.8x at c=4).
         for name, extra in variants:
             asyncio.run(scenario(server.url, max(levels), args.rounds, texts, extra, args.max_tokens, tokenizer,
-                                 args.temperature))
+                                 args.temperature, args.ignore_eos))
         for c in levels:
             for name, extra in variants:
                 table.setdefault(name, {})[c] = []
@@ -255,7 +258,7 @@ def main() -> None:
                 for name, extra in (variants if repeat % 2 == 0 else variants[::-1]):
                     before = engine_status(server.url, probe)
                     row = asyncio.run(scenario(server.url, c, args.rounds, texts, extra,
-                                               args.max_tokens, tokenizer, args.temperature))
+                                               args.max_tokens, tokenizer, args.temperature, args.ignore_eos))
                     row.update(step_figures(before, engine_status(server.url, probe)))
                     table[name][c].append(row)
             for name, _ in variants:
@@ -267,7 +270,8 @@ def main() -> None:
     if server:
         server.stop()
     print(f"\nBLAS {blas_info().name}; target {args.target}, {args.draft} draft; {args.rounds} request(s) "
-          f"per client, {args.max_tokens} tokens, temperature {args.temperature}")
+          f"per client, {args.max_tokens} tokens{' (ignore_eos)' if args.ignore_eos else ''}, "
+          f"temperature {args.temperature}")
     header = "| config | " + " | ".join(f"c={c} tok/s (TTFT p50/p95 ms)" for c in levels) + " |"
     print(header)
     print("|" + "---|" * (len(levels) + 1))

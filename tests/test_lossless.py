@@ -59,7 +59,8 @@ def test_plain_matches_mlx_lm_greedy(runtime_for, prompts):
 
 
 @pytest.mark.parametrize("params", [PLAIN, PENALIZED], ids=["plain", "repetition-penalty"])
-@pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
+# The shortest window, one with partial acceptance inside the chain, one past most answers' ends.
+@pytest.mark.parametrize("k", [1, 3, 8])
 @pytest.mark.parametrize("method", PROPOSER_NAMES)
 def test_speculative_greedy_equals_plain(runtime_for, prompts, method, k, params):
     runtime = runtime_for(method)
