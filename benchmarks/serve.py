@@ -16,6 +16,7 @@ macspec's rows also report host syncs per decode step and the mean k from /v1/st
   python benchmarks/serve.py [--target tiny|tiny-wide|tiny-moe|smollm2] [--draft distilled|random]
       [--temperature 0] [--quick] [--concurrency 1,4,8,16] [--max-tokens 64] [--json-out F]
       [--methods mtp,ngram] [--fixed-k 0,1,2,3] [--tensor-parallel 2 --no-mlx-lm] [--ignore-eos]
+      [--prompts heldout|code]
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from macspec.servebench.launch import LaunchedServer, float32_copy, free_port  # noqa: E402
+from macspec.servebench.prompts import CODE  # noqa: E402
 
 
 def prompts(count: int) -> list[str]:
@@ -177,6 +179,9 @@ def main() -> None:
                     "mtp,ngram (each its own row beside the profile's method)")
     ap.add_argument("--draft", default="distilled", choices=("distilled", "random"))
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--prompts", default="heldout", choices=("heldout", "code"), help="tiny targets: "
+                    "held-out standard-library code (400 characters each) or `macspec bench`'s short "
+                    "code prompts (\"def fibonacci(n):\", ...)")
     ap.add_argument("--ignore-eos", action="store_true", help="every answer runs to --max-tokens "
                     "(vLLM's option; mlx_lm.server has none: use with --no-mlx-lm)")
     ap.add_argument("--repeats", type=int, default=2, help="alternating repeats per level (mean)")
@@ -209,7 +214,7 @@ def main() -> None:
         if args.draft == "random":
             draft = random_weights_copy(draft, work / "random-draft", seed=0)
         tokenizer = AutoTokenizer.from_pretrained(str(target))
-        texts = prompts(32)
+        texts = prompts(32) if args.prompts == "heldout" else CODE
         method = f'method = "draft"\ndraft_model = "{draft}"\n'
     profile = work / "bench.toml"
     profile.write_text(f'name = "bench"\n[model]\npath = "{target}"\ndtype = "float32"\nchat = false\n'
