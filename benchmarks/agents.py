@@ -1,32 +1,44 @@
-"""Agent workloads on SmolLM2 through the engine: what speculation buys when the answer restates
-its context. Four workloads, prompts written here (chat template, greedy, no repetition penalty:
-an agent restating code must be free to repeat it):
+"""Agent workloads on SmolLM2 through `macspec serve`: what speculation buys when the answer
+restates its context. Five workloads, prompts written here, sent as an agent sends them (OpenAI
+chat completions: messages, tool definitions, tool calls and results, response_format):
 
-  edit   a function is given; the answer rewrites it (rename, add a parameter, a docstring)
-  tools  a tool loop replayed as an agent sends it: tool definitions, a file read back as the
-         tool's result, the model's next call (its shape repeats the earlier turn's)
-  json   a short document; the answer restates its fields as JSON
-  chat   plain questions (the control: nothing to copy)
+  edit         a function is given; the answer rewrites it (rename, a docstring, type hints)
+  tools        a tool loop replayed: tool definitions, the model's earlier read_file call, the
+               file as the tool's result, then "show the whole file again with the fix"
+  json         a short document; the answer restates its facts as one JSON object
+  json-schema  the same with response_format json_schema (a grammar constrains every token)
+  chat         plain questions (the control: nothing to copy)
 
-Per workload and method (none, ngram, suffix, mtp, mtp+suffix), the same requests at c = 1 (one at a time)
-and c = 4 (batched), each run starting from fresh proposer groups (suffix decoding's recent
-answers hold only that run's earlier requests): tokens per target forward, acceptance, mean draft length, tok/s, and
-tok/s ÷ none measured in the same run.
+Each (method, concurrency, temperature) runs on fresh servers (two: workloads that share text do
+not share a server): suffix decoding's recent answers then hold only that run's earlier requests
+(the same requests sent again would be drafted whole from the last run's answers). c = 1 sends a workload's requests one
+at a time, c = 4 all at once. Per run: tok/s (completion tokens ÷ wall time), and from the
+server's /v1/status the method's tokens per target forward, acceptance and mean draft length;
+"same text" compares each answer with spec off's (greedy only; a sampled answer is equal in
+distribution, not token for token). The server's profile is smollm2's without its repetition
+penalty (an agent restating code must be free to repeat it); mtp runs at k = 1 fixed (the
+profile's measured best), ngram up to 4, suffix and mtp+suffix up to suffix_max_tokens.
 
-    python benchmarks/agents.py [--methods none,ngram,suffix,mtp,mtp+suffix] [--concurrency 1,4] [--max-tokens 160]
+    python benchmarks/agents.py [--methods none,ngram,suffix,mtp,mtp+suffix] [--concurrency 1,4]
+        [--temperatures 0,0.7] [--workloads edit,tools,json,json-schema,chat] [--max-tokens 128]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
+import tempfile
 import time
+from pathlib import Path
+
+import aiohttp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import macspec  # noqa: E402,F401  (BLAS first)
+from macspec.servebench.launch import LaunchedServer  # noqa: E402
 
 FUNCTIONS = [
     '''def mean(values):
@@ -72,89 +84,142 @@ TOOL = {"type": "function", "function": {"name": "read_file", "description": "Re
                                                          "required": ["path"]}}}
 
 
-def chat(tokenizer, messages, tools=None) -> list[int]:
-    kwargs = {"tools": tools} if tools else {}
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
+FACTS_SCHEMA = {"type": "object", "additionalProperties": {"type": ["string", "number"]}}
+# Per method: the request's `speculative` settings (see the module doc).
+SPECULATIVE = {"none": {"method": "none"}, "mtp": {"method": "mtp", "num_draft_tokens": 1, "adaptive": False},
+               "ngram": {"method": "ngram", "num_draft_tokens": 4}}
 
 
-def workloads(tokenizer) -> dict[str, list[list[int]]]:
-    edit = [chat(tokenizer, [{"role": "user", "content": f"```python\n{code}```\n\n"
-                              + EDITS[i % 3].format(new=f"compute_{i}")}])
-            for i, code in enumerate(FUNCTIONS)]
+def workloads() -> dict[str, list[dict]]:
+    """Workload -> its requests' bodies (without the sampling and speculative fields)."""
+    edit = [{"messages": [{"role": "user", "content": f"```python\n{code}```\n\n"
+                           + EDITS[i % 3].format(new=f"compute_{i}")}]} for i, code in enumerate(FUNCTIONS)]
     tools = []
     for i, code in enumerate(FUNCTIONS):
         path = f"src/util_{i}.py"
-        call = json.dumps({"name": "read_file", "arguments": {"path": path}})
-        tools.append(chat(tokenizer, [
+        call = {"id": f"call_{i}", "type": "function",
+                "function": {"name": "read_file", "arguments": json.dumps({"path": path})}}
+        tools.append({"tools": [TOOL], "messages": [
             {"role": "user", "content": f"Fix the bug in {path} and show the fixed file."},
-            {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
-            {"role": "tool", "content": code},
-            {"role": "user", "content": "Now show the whole file again with the fix."}], [TOOL]))
-    extract = [chat(tokenizer, [{"role": "user", "content": f"{doc}\n\nRestate every fact above as one JSON "
-                                 "object with descriptive keys."}]) for doc in DOCUMENTS]
-    plain = [chat(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
-    return {"edit": edit, "tools": tools, "json": extract, "chat": plain}
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": code},
+            {"role": "user", "content": "Now show the whole file again with the fix."}]})
+    extract = [{"messages": [{"role": "user", "content": f"{doc}\n\nRestate every fact above as one JSON "
+                              "object with descriptive keys."}]} for doc in DOCUMENTS]
+    schema = [{**body, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "facts", "schema": FACTS_SCHEMA}}} for body in extract]
+    plain = [{"messages": [{"role": "user", "content": q}]} for q in QUESTIONS]
+    return {"edit": edit, "tools": tools, "json": extract, "json-schema": schema, "chat": plain}
 
 
-def run(engine, prompts, method, concurrency, max_tokens):
-    from macspec.sampling import SamplingParams
+async def post(session, url: str, body: dict) -> dict:
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        reply = await resp.json()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {reply}")
+        return reply
 
-    engine.speculator.reset()  # fresh proposer groups: no earlier run's answers to draft from
-    done, t0 = [], time.perf_counter()
-    for start in range(0, len(prompts), concurrency):
-        batch = prompts[start:start + concurrency]
-        # MTP at its measured best for this model (fixed k = 1, the smollm2 profile's); n-gram up
-        # to 4; suffix and the hybrid up to suffix_max_tokens (their model part up to k = 1).
-        options = {"mtp": {"num_draft": 1, "adaptive": False}, "ngram": {"num_draft": 4}}.get(method, {})
-        done += engine.generate(batch, SamplingParams(), max_tokens, method=method, **options)
-    seconds = time.perf_counter() - t0
-    for c in done:
-        if c.error is not None:
-            raise c.error
-    stats = [c.stats["spec"] for c in done]
-    tokens = sum(len(c.tokens) for c in done)
-    forwards = sum(s["target_forwards"] for s in stats)
-    drafted, accepted = sum(s["drafted"] for s in stats), sum(s["accepted"] for s in stats)
-    steps = sum(s["speculative_steps"] for s in stats)
-    return {"tok_s": tokens / seconds, "tokens": tokens, "tokens_per_forward": tokens / max(forwards, 1),
-            "acceptance": accepted / max(drafted, 1), "mean_draft": drafted / max(steps, 1),
-            "outputs": [c.tokens for c in done]}
+
+async def send_all(url: str, bodies: list[dict], concurrency: int) -> tuple[list[dict], float]:
+    """The requests `concurrency` at a time -> (replies in order, wall seconds)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        replies, t0 = [], time.perf_counter()
+        for start in range(0, len(bodies), concurrency):
+            replies += await asyncio.gather(*(post(session, url, b) for b in bodies[start:start + concurrency]))
+        return replies, time.perf_counter() - t0
+
+
+def speculation(url: str, method: str) -> dict:
+    """The method's running totals from /v1/status (zeros before its first row)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/v1/status", timeout=30) as resp:
+        spec = json.loads(resp.read())["engine"]["speculation"].get(method, {})
+    forwards = spec.get("target_forwards", 0)
+    return {"forwards": forwards, "emitted": spec.get("tokens_per_forward", 0.0) * forwards,
+            **{key: spec.get(key, 0) for key in ("drafted", "accepted", "speculative_steps")}}
+
+
+def answer(reply: dict) -> str:
+    """What the client reads: the text and any tool calls."""
+    message = reply["choices"][0]["message"]
+    return json.dumps([message.get("content"), message.get("tool_calls") and
+                       [c["function"] for c in message["tool_calls"]]])
+
+
+def run(profile: Path, work: Path, method: str, group: dict[str, list[dict]], concurrency: int,
+        temperature: float, max_tokens: int) -> dict[str, dict]:
+    """A fresh server runs `group`'s workloads in turn -> per workload: throughput, the method's
+    speculation figures over it, the answers."""
+    server = LaunchedServer.macspec(str(profile), work)
+    out = {}
+    try:
+        server.wait_ready(timeout=600)
+        extra = {"max_tokens": max_tokens, "temperature": temperature,
+                 "speculative": SPECULATIVE.get(method, {"method": method})}
+        # Untimed, plain, another question: first-time shapes, nothing for a proposer to keep.
+        asyncio.run(send_all(server.url, [{"messages": [{"role": "user", "content": "Say hello."}],
+                                           "max_tokens": 8, "speculative": {"method": "none"}}], 1))
+        for name, bodies in group.items():
+            sent = [{**body, **extra, **({"seed": 1000 + i} if temperature else {})} for i, body in enumerate(bodies)]
+            before = speculation(server.url, method)
+            replies, seconds = asyncio.run(send_all(server.url, sent, concurrency))
+            spec = {key: value - before[key] for key, value in speculation(server.url, method).items()}
+            tokens = sum(r["usage"]["completion_tokens"] for r in replies)
+            out[name] = {"tok_s": tokens / seconds, "tokens": tokens,
+                         "tokens_per_forward": spec["emitted"] / spec["forwards"] if spec["forwards"] else 1.0,
+                         "acceptance": spec["accepted"] / max(spec["drafted"], 1),
+                         "mean_draft": spec["drafted"] / max(spec["speculative_steps"], 1),
+                         "answers": [answer(r) for r in replies]}
+    finally:
+        server.stop()
+    return out
+
+
+# Workloads that share no text share a server (edit and tools copy the same functions, the two
+# json workloads the same documents: one would draft from the other's answers).
+SERVER_GROUPS = (("chat", "edit", "json"), ("tools", "json-schema"))
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", default="none,ngram,suffix,mtp,mtp+suffix")
     ap.add_argument("--concurrency", default="1,4")
-    ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--workloads", default="edit,tools,json,chat")
+    ap.add_argument("--temperatures", default="0,0.7")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--workloads", default="edit,tools,json,json-schema,chat")
     args = ap.parse_args(argv)
-    from macspec.engine.launch import calibrated_engine
+    import macspec  # noqa: F401  (BLAS first)
     from macspec.blas import blas_info
-    from macspec.config import load_profile
-    from macspec.engine.runtime import Runtime
 
-    profile = load_profile("smollm2")
-    profile.sampling.repetition_penalty = 1.0
-    profile.speculative.adaptive = True
-    runtime = Runtime.load(profile)
-    levels = [int(c) for c in args.concurrency.split(",")]
-    engine = calibrated_engine(runtime, max_batch=max(levels))
-    prompts = workloads(runtime.tokenizer)
+    work = Path(tempfile.mkdtemp(prefix="macspec-agents-"))
+    profile = work / "agents.toml"
+    profile.write_text('name = "agents"\n[model]\npath = "pulled:smollm2"\ndtype = "float32"\nchat = true\n'
+                       '[speculative]\nmethod = "mtp"\nnum_draft_tokens = 1\n'
+                       '[sampling]\nrepetition_penalty = 1.0\n[server]\nmax_batch = 4\n')
+    requests = workloads()
+    chosen = args.workloads.split(",")
+    groups = [{name: requests[name] for name in group if name in chosen} for group in SERVER_GROUPS]
     methods = args.methods.split(",")
-    print(f"BLAS {blas_info().name}; SmolLM2 float32 through the engine, greedy, {args.max_tokens} tokens, "
-          f"adaptive k (suffix and mtp+suffix up to {profile.speculative.suffix_max_tokens}, ngram up to 4; "
-          "mtp fixed k = 1, its measured best)")
-    print("| workload | c | method | tok/s | ÷ none | tokens/forward | acceptance | mean draft | same text |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---|")
-    for name in args.workloads.split(","):
-        for c in levels:
-            rows = {m: run(engine, prompts[name], m, c, args.max_tokens) for m in methods}
-            base = rows.get("none")
-            for m, r in rows.items():
-                ratio = f"{r['tok_s'] / base['tok_s']:.2f}" if base else "-"
-                same = "yes" if base and r["outputs"] == base["outputs"] else ("-" if not base else "no")
-                print(f"| {name} | {c} | {m} | {r['tok_s']:.1f} | {ratio} | {r['tokens_per_forward']:.2f} | "
-                      f"{r['acceptance']:.2f} | {r['mean_draft']:.2f} | {same} |", flush=True)
+    print(f"BLAS {blas_info().name}; SmolLM2 float32 through macspec serve, {args.max_tokens} tokens", flush=True)
+    print("| workload | T | c | method | tok/s | ÷ none | tokens/forward | acceptance | mean draft | same text |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---|")
+    for temperature in (float(t) for t in args.temperatures.split(",")):
+        for c in (int(c) for c in args.concurrency.split(",")):
+            rows = {m: {} for m in methods}
+            for m in methods:
+                for i, group in enumerate(g for g in groups if g):
+                    rows[m].update(run(profile, work / f"{m}-{c}-{temperature}-{i}", m, group, c, temperature,
+                                       args.max_tokens))
+            for name in (n for n in chosen if n in requests):
+                base = rows.get("none", {}).get(name)
+                for m in methods:
+                    r = rows[m][name]
+                    ratio = f"{r['tok_s'] / base['tok_s']:.2f}" if base else "-"
+                    same = "-" if not base or temperature else ("yes" if r["answers"] == base["answers"] else "no")
+                    print(f"| {name} | {temperature:g} | {c} | {m} | {r['tok_s']:.1f} | {ratio} | "
+                          f"{r['tokens_per_forward']:.2f} | {r['acceptance']:.2f} | {r['mean_draft']:.2f} | {same} |",
+                          flush=True)
 
 
 if __name__ == "__main__":
