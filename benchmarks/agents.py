@@ -190,7 +190,6 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--workloads", default="edit,tools,json,json-schema,chat")
     args = ap.parse_args(argv)
-    import macspec  # noqa: F401  (BLAS first)
     from macspec.blas import blas_info
 
     work = Path(tempfile.mkdtemp(prefix="macspec-agents-"))
