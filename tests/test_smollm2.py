@@ -101,13 +101,16 @@ def test_the_pulled_dir_carries_the_shipped_head(smollm2):  # noqa: F811
     assert (model_dir / "mtp.safetensors").read_bytes() == pulled.head_file("smollm2").read_bytes()
 
 
+MIN_ACCEPTED_PER_STEP = {"mtp": 0.1, "eagle3": 0.2}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("method", ["mtp", "eagle3"])
 def test_greedy_equals_plain_on_smollm2(smollm2_runtimes, method, k):
     runtime, plain_runtime = smollm2_runtimes(method)
     params = SamplingParams.from_config(runtime.profile.sampling)  # repetition penalty 1.1
-    accepted = steps = 0
+    accepted = drafted = steps = 0
     for prompt in PROMPTS[:3]:
         ids = list(runtime.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                          add_generation_prompt=True))
@@ -115,10 +118,12 @@ def test_greedy_equals_plain_on_smollm2(smollm2_runtimes, method, k):
         spec, done = generate(runtime, ids, 48, params, k=k)
         assert spec == plain, prompt
         accepted += done.stats["spec"]["accepted"]
+        drafted += done.stats["spec"]["drafted"]
         steps += done.stats["spec"]["speculative_steps"]
     # Trained heads draft real tokens (a random one accepts ~0): held out, ~0.4 per step at k = 1
     # (benchmarks/smollm2_head.py); these 3 prompts alone are lower (MTP at k = 1: 0.19).
-    assert steps and accepted >= 5 and accepted / steps > 0.1
+    assert drafted and accepted >= 5 and accepted / drafted > 0.05
+    assert accepted / steps > MIN_ACCEPTED_PER_STEP[method]
 
 
 def test_shipped_eagle3_head_is_small_published_and_what_the_pull_attaches():
