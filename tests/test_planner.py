@@ -86,8 +86,26 @@ def test_hybrid_outlook_offers_the_suffix_draft_the_plan_counts_on():
     drafts = group.propose([row(1, repeated, 3), row(2, fresh, 2)])
     assert drafts[1].tokens == [8, 9, 10]
     assert isinstance(drafts[2].tokens, mx.array) and drafts[2].tokens.shape[0] >= 1
-    assert [group.choices[k].used for k in (1, 2)] == ["suffix", "model"]
-    assert suffix_alphas(0.5, [1.0, 0.5]) == [0.5, 0.5]
+    assert [group.choices[k].used for k in (1, 2)] == ["own", "model"]
+    # Each kind's acceptance is measured on its own drafts, once per step that drafted: a step
+    # the plan gave no drafts (no propose) must not count the last one again.
+    group.settle({1: 0, 2: 0})
+    reached = [list(group.choices[k].tracked[kind].reached[:3]) for k, kind in ((1, "own"), (2, "model"))]
+    assert reached == [[1, 0, 0], [1, 0, 0]]
+    group.settle({1: 0, 2: 0})
+    assert [list(group.choices[k].tracked[kind].reached[:3]) for k, kind in ((1, "own"), (2, "model"))] == reached
+    # Suffix drafts that keep failing lose the row to the model; a new row starts afresh.
+    for failures in range(8):
+        if group.outlook(row(1, repeated, 6)) is None:
+            break
+        group.propose([row(1, repeated, 3), row(2, fresh, 0)])
+        group.settle({1: 0})
+    assert failures < 8  # it took the first one: the model (k = 4 at 0.7) now promises more
+    assert group.records["own"].alphas[0] < 0.5
+    group.join(3, repeated, None)
+    assert group.outlook(row(3, repeated, 6)) is not None
+    # A suffix position is what such drafts achieved on the row, capped by the agreeing share.
+    assert suffix_alphas([0.5, 0.9, 0.9], [1.0, 0.5, 0.5]) == [0.5, 0.5, 0.9]
 
 
 def test_compute_bound_k_falls_with_batch_size():

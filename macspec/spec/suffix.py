@@ -18,6 +18,7 @@ request that ends adds its output there; it is bounded by `suffix_cache_requests
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from .base import ChainRow, Drafts, ProposerGroup
 
@@ -158,20 +159,36 @@ class SuffixGroup(ProposerGroup):
         return out
 
     def suggest(self, key: int, committed: list[int], k: int, recent: bool = True) -> tuple[list[int], list[float]]:
-        """(draft, each token's path probability) for row `key`, whose tokens are `committed`
-        (indexed first: the index follows the row even when it does not draft); `recent`: draft
-        from recent answers too."""
+        """(draft, each token's path probability) for row `key` (see `lookup`)."""
+        found = self.lookup(key, committed, k, recent)
+        return found.tokens, found.probs
+
+    def lookup(self, key: int, committed: list[int], k: int, recent: bool = True) -> "Lookup":
+        """The draft for row `key`, whose tokens are `committed` (indexed first: the index
+        follows the row even when it does not draft); `recent`: draft from recent answers too."""
         index = self.rows[key]
         index.extend(committed[len(index.tokens):])
         if not k:
-            return [], []
-        found = [(m, index.tokens, at) for m, at in index.occurrences(committed, skip_last=True)]
+            return Lookup()
+        found = [(m, index.tokens, at, True) for m, at in index.occurrences(committed, skip_last=True)]
         for answer in reversed(self.recent.values()) if recent else ():  # the most recent first
             if len(found) >= MAX_CANDIDATES:
                 break
-            found += [(m, answer.tokens, at) for m, at in answer.occurrences(committed, skip_last=False)]
+            found += [(m, answer.tokens, at, False) for m, at in answer.occurrences(committed, skip_last=False)]
         if not found:
-            return [], []
-        best = max(m for m, _, _ in found)
-        candidates = [(tokens, at) for m, tokens, at in found if m == best]
-        return scored_walk(candidates, best, k, self.factor, self.min_prob)
+            return Lookup()
+        best = max(m for m, _, _, _ in found)
+        candidates = [(tokens, at) for m, tokens, at, _ in found if m == best]
+        tokens, probs = scored_walk(candidates, best, k, self.factor, self.min_prob)
+        own = any(is_own for m, _, _, is_own in found if m == best)
+        return Lookup(tokens, probs, "own" if own else "recent")
+
+
+@dataclass
+class Lookup:
+    """A suffix draft, each token's path probability, and where its match was found: the
+    request's own tokens ("own") or only other requests' answers ("recent")."""
+
+    tokens: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+    source: str = "own"
