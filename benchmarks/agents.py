@@ -21,6 +21,7 @@ profile's measured best), ngram up to 4, suffix and mtp+suffix up to suffix_max_
 
     python benchmarks/agents.py [--methods none,ngram,suffix,mtp,mtp+suffix] [--concurrency 1,4]
         [--temperatures 0,0.7] [--workloads edit,tools,json,json-schema,chat] [--max-tokens 128]
+        [--repeats 1]   (> 1: fresh servers per repeat, methods alternating; median tok/s)
 """
 
 from __future__ import annotations
@@ -177,6 +178,15 @@ def run(profile: Path, work: Path, method: str, group: dict[str, list[dict]], co
     return out
 
 
+def merged(runs: list[dict]) -> dict:
+    """One workload's repeats -> the median throughput, the speculation figures of the run with
+    that throughput (all runs' answers must agree to count as the same text)."""
+    ordered = sorted(runs, key=lambda r: r["tok_s"])
+    median = ordered[len(ordered) // 2]
+    same = all(r["answers"] == runs[0]["answers"] for r in runs)
+    return {**median, "answers": runs[0]["answers"] if same else None}
+
+
 # Workloads that share no text share a server (edit and tools copy the same functions, the two
 # json workloads the same documents: one would draft from the other's answers).
 SERVER_GROUPS = (("chat", "edit", "json"), ("tools", "json-schema"))
@@ -189,6 +199,8 @@ def main(argv=None) -> None:
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--workloads", default="edit,tools,json,json-schema,chat")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs per (method, c, T), methods alternating; the median tok/s is reported")
     args = ap.parse_args(argv)
     from macspec.blas import blas_info
 
@@ -206,17 +218,22 @@ def main(argv=None) -> None:
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|---|")
     for temperature in (float(t) for t in args.temperatures.split(",")):
         for c in (int(c) for c in args.concurrency.split(",")):
-            rows = {m: {} for m in methods}
-            for m in methods:
-                for i, group in enumerate(g for g in groups if g):
-                    rows[m].update(run(profile, work / f"{m}-{c}-{temperature}-{i}", m, group, c, temperature,
-                                       args.max_tokens))
+            runs = {m: [] for m in methods}
+            for repeat in range(args.repeats):  # methods alternate, their order flipped each time
+                for m in methods if repeat % 2 == 0 else methods[::-1]:
+                    out = {}
+                    for i, group in enumerate(g for g in groups if g):
+                        out.update(run(profile, work / f"{m}-{c}-{temperature}-{i}-{repeat}", m, group, c,
+                                       temperature, args.max_tokens))
+                    runs[m].append(out)
+            rows = {m: {name: merged([r[name] for r in runs[m]]) for name in runs[m][0]} for m in methods}
             for name in (n for n in chosen if n in requests):
                 base = rows.get("none", {}).get(name)
                 for m in methods:
                     r = rows[m][name]
                     ratio = f"{r['tok_s'] / base['tok_s']:.2f}" if base else "-"
-                    same = "-" if not base or temperature else ("yes" if r["answers"] == base["answers"] else "no")
+                    same = "-" if not base or temperature else \
+                        ("yes" if r["answers"] is not None and r["answers"] == base["answers"] else "no")
                     print(f"| {name} | {temperature:g} | {c} | {m} | {r['tok_s']:.1f} | {ratio} | "
                           f"{r['tokens_per_forward']:.2f} | {r['acceptance']:.2f} | {r['mean_draft']:.2f} | {same} |",
                           flush=True)
