@@ -116,6 +116,24 @@ def test_compute_bound_k_falls_with_batch_size():
     assert all(ks[a] >= ks[b] for a, b in zip((1, 2, 4, 8), (2, 4, 8, 16))), ks
 
 
+def test_a_lookup_plans_only_the_drafts_it_has():
+    """A lookup proposer (n-gram, suffix) knows before the plan which rows have a match and how
+    long: rows without one gain nothing from the window the batch would pay for. Four rows at
+    60 %, where a 2-token window pays only when most rows draft: one match is not worth it."""
+    planner = planner_with(base_s=0.01, per_row_s=0.0, per_position_s=0.0025)
+    batch = rows(4, alpha=0.6)
+    for row in batch:
+        row.method = "ngram"
+    assert max(planner.plan(batch)) > 0  # all four may draft: it pays
+    for row, limit in zip(batch, (2, 0, 0, 0)):
+        row.draft_limit = limit
+    assert planner.plan(batch) == [0, 0, 0, 0]
+    for row, limit in zip(batch, (2, 1, 1, 0)):
+        row.draft_limit = limit
+    ks = planner.plan(batch)
+    assert all(k <= limit for k, limit in zip(ks, (2, 1, 1, 0))) and ks[3] == 0, ks
+
+
 def test_fixed_k_rows_are_honoured_and_set_the_window():
     """A fixed-k row pads the batch to its window; the other rows may then draft up to that
     window for the price of their drafts only, which they do when drafts are cheap."""

@@ -81,6 +81,12 @@ class ProposerGroup(ABC):
         running the group's chain."""
         return None
 
+    def draft_limit(self, row: ChainRow) -> int | None:
+        """Before the plan: the most this group can draft for the row this step when a lookup
+        already knows it (0: no match), else None. The plan counts on no more: a row without
+        a match gains nothing from a window the batch pays for."""
+        return None
+
     def settle(self, accepted: dict[int, int]) -> None:
         """After verification: row key -> how many of its drafts were accepted."""
 

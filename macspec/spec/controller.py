@@ -56,6 +56,8 @@ class RowController:
     # draft), set before each plan; it stands in for `alphas`, which track the model's drafts,
     # and an off row may still take it.
     outlook: list[float] | None = None
+    # The most its proposer can draft this step, when a lookup knows before drafting (None: any k).
+    draft_limit: int | None = None
 
     def __post_init__(self):
         # Start from what this method achieved for earlier requests: no exploration from scratch.
@@ -75,6 +77,11 @@ class RowController:
         if self.is_off:
             return "off"
         return "on" if self.last_k > 0 or not self.adaptive else "held"
+
+    @property
+    def most(self) -> int:
+        """The deepest it may draft this step: k_max, or less where a lookup knows its match."""
+        return self.k_max if self.draft_limit is None else min(self.k_max, self.draft_limit)
 
     def forced_k(self) -> int | None:
         """k fixed regardless of the plan (fixed-k requests, probes, off rows), else None."""

@@ -57,6 +57,9 @@ class NgramGroup(ProposerGroup):
     def leave(self, key: int) -> None:
         self.rows.pop(key, None)
 
+    def draft_limit(self, row: ChainRow) -> int | None:
+        return len(self.rows[row.key].lookup(row.committed, row.k))
+
     def propose(self, rows: list[ChainRow]) -> dict[int, Drafts]:
         out = {}
         for row in rows:

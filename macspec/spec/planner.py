@@ -192,12 +192,12 @@ class BatchPlanner:
             return [int(f) for f in forced]
         methods = sorted({rows[i].method for i in free})
         best_ks, best_rate = None, -1.0
-        for cap in range(0, max(rows[i].k_max for i in free) + 1):
+        for cap in range(0, max(rows[i].most for i in free) + 1):
             for mask in range(1 << len(methods)):
                 on = {m for j, m in enumerate(methods) if mask >> j & 1}
                 if cap == 0 and on:
                     continue
-                ks = [int(f) if f is not None else (min(cap, rows[i].k_max) if rows[i].method in on else 0)
+                ks = [int(f) if f is not None else (min(cap, rows[i].most) if rows[i].method in on else 0)
                       for i, f in enumerate(forced)]
                 rate = self._rate(rows, ks)
                 if rate > best_rate * NEAR_TIE:

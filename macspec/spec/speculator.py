@@ -74,15 +74,25 @@ class Speculator:
             self._orphaned(seq)
         self._retain(seqs)
         for seq in seqs:
-            seq.controller.outlook = None if seq.proposer is None else self.guarded(
-                "propose", seq.proposer.outlook, ChainRow(seq.request.id, seq.context(),
-                                                          min(seq.controller.k_max, seq.room(max_context)), seq.rng),
-                drop=seq)
+            self._look_ahead(seq, max_context)
         ks = self.guarded("plan", self.planner.plan, [s.controller for s in seqs])
         if ks is None or len(ks) != len(seqs):
             return [0] * len(seqs)
         return [min(max(0, int(k)), seq.room(max_context)) if seq.proposer is not None else 0
                 for k, seq in zip(ks, seqs)]
+
+    def _look_ahead(self, seq, max_context: int) -> None:
+        """What the row's proposer already knows of this step before the plan (controller.py:
+        `outlook`, `draft_limit`)."""
+        controller = seq.controller
+        controller.outlook = controller.draft_limit = None
+        if seq.proposer is None:
+            return
+        row = ChainRow(seq.request.id, seq.context(), min(controller.k_max, seq.room(max_context)), seq.rng)
+        controller.outlook = self.guarded("propose", seq.proposer.outlook, row, drop=seq)
+        if seq.proposer is not None:
+            controller.draft_limit = len(controller.outlook) if controller.outlook is not None else \
+                self.guarded("propose", seq.proposer.draft_limit, row, drop=seq)
 
     def propose(self, seqs: list, ks: list[int]) -> list[Drafts | None]:
         """Each group drafts for all of its rows; a fault costs that group's rows their drafts."""

@@ -130,6 +130,7 @@ class SuffixGroup(ProposerGroup):
         self.cache_requests = cache_requests
         self.factor = factor
         self.min_prob = min_prob
+        self.planned: dict[int, tuple[int, list[int]]] = {}  # key -> (committed length, draft) at the plan
 
     @property
     def keys(self) -> list[int]:
@@ -143,6 +144,7 @@ class SuffixGroup(ProposerGroup):
         """Its output joins the recent answers other requests draft from, behind the end of its
         prompt (a new request's first draft matches across its own prompt's end)."""
         index = self.rows.pop(key, None)
+        self.planned.pop(key, None)
         start = self.prompt_lengths.pop(key, 0)
         if index is None or not self.cache_requests or len(index.tokens) - start < 2:
             return
@@ -150,12 +152,19 @@ class SuffixGroup(ProposerGroup):
         while len(self.recent) > self.cache_requests:
             self.recent.popitem(last=False)
 
+    def draft_limit(self, row: ChainRow) -> int | None:
+        found = self.lookup(row.key, row.committed, row.k, with_recent(row))
+        self.planned[row.key] = (len(row.committed), found.tokens)
+        return len(found.tokens)
+
     def propose(self, rows: list[ChainRow]) -> dict[int, Drafts]:
         out = {}
         for row in rows:
-            tokens = self.suggest(row.key, row.committed, row.k, with_recent(row))[0]
-            if tokens:
-                out[row.key] = Drafts(tokens)
+            at, tokens = self.planned.pop(row.key, (-1, []))
+            if at != len(row.committed):  # not looked up for this step's plan
+                tokens = self.suggest(row.key, row.committed, row.k, with_recent(row))[0]
+            if tokens[:row.k]:  # a walk cut shorter is a prefix of the longer one
+                out[row.key] = Drafts(tokens[:row.k])
         return out
 
     def suggest(self, key: int, committed: list[int], k: int, recent: bool = True) -> tuple[list[int], list[float]]:
