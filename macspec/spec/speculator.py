@@ -136,7 +136,7 @@ class Speculator:
         planner's cost model."""
         drafting = self.guarded("cost_model", self.planner.draft_seconds, [s.controller for s in seqs], ks)
         self.guarded("cost_model", self.planner.observe_step, len(seqs), width,
-                     max(forward_s - (drafting or 0.0), 0.0), commit_s)
+                     max(forward_s - (drafting or 0.0), 0.0), commit_s, drafting or 0.0)
 
     # ---- ends --------------------------------------------------------------------------------
     def leave(self, seq) -> None:
