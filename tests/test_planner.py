@@ -134,6 +134,21 @@ def test_a_lookup_plans_only_the_drafts_it_has():
     assert all(k <= limit for k, limit in zip(ks, (2, 1, 1, 0))) and ks[3] == 0, ks
 
 
+def test_speculative_steps_that_cost_more_than_predicted_raise_their_price():
+    """What the fit misses on drafting steps (a head's catch-up, host work around the chain) is
+    measured as each step's measured ÷ predicted time, against plain steps' misses: a row whose
+    drafts paid at the fitted costs stops drafting once spec steps prove dearer."""
+    planner = planner_with(base_s=0.01, per_row_s=0.0, per_position_s=0.001)
+    batch = rows(1, alpha=0.35, k_max=1)
+    assert planner.plan(batch) == [1] and planner.spec_bias == pytest.approx(1.0)
+    for _ in range(30):  # drafting steps really cost 1.4x their prediction; plain ones as predicted
+        planner.observe_step(1, 2, planner.forward.predict(1, 2) * 1.4, 0.0)
+        planner.observe_step(1, 1, planner.forward.predict(1, 1), 0.0)
+    assert planner.spec_bias > 1.1
+    assert planner.plan(batch) == [0]
+    assert planner.as_dict()["speculative_step_bias"] == round(planner.spec_bias, 3)
+
+
 def test_fixed_k_rows_are_honoured_and_set_the_window():
     """A fixed-k row pads the batch to its window; the other rows may then draft up to that
     window for the price of their drafts only, which they do when drafts are cheap."""

@@ -133,6 +133,7 @@ class BatchPlanner:
         self.steps_since_probe = 1 << 30  # the first due probe may start at once
         # Measured ÷ predicted step time, running means, for plain steps and speculative ones.
         self.misses = {"plain": 1.0, "spec": 1.0}
+        self.num_misses = {"plain": 0, "spec": 0}
 
     def proposer_cost(self, method: str, rows: int = 1) -> float:
         """Seconds per chain step of `method` drafting for `rows` rows at once."""
@@ -179,6 +180,7 @@ class BatchPlanner:
             kind = "spec" if window > 1 else "plain"
             ratio = min(max(actual / predicted, 0.5), 3.0)
             self.misses[kind] += EWMA * (ratio - self.misses[kind])
+            self.num_misses[kind] += 1
         self.forward.observe(rows, window, forward_s)
         self.row_overhead += EWMA * (rest_s / rows - self.row_overhead)
 
@@ -188,7 +190,8 @@ class BatchPlanner:
         The fit cannot see everything a drafting step adds (a head's catch-up over its rows'
         new states, host work around the chain); on SmolLM2 at three rows an MTP k = 1 step
         cost 1.26x a plain one where the fit said 1.08x, so MTP drafted at a loss."""
-        return min(max(self.misses["spec"] / self.misses["plain"], SPEC_BIAS_RANGE[0]), SPEC_BIAS_RANGE[1])
+        low = SPEC_BIAS_RANGE[0] if self.num_misses["spec"] >= 8 else 1.0  # no discount unmeasured
+        return min(max(self.misses["spec"] / self.misses["plain"], low), SPEC_BIAS_RANGE[1])
 
     def _unbiased_cost(self, rows: int, window: int, draft_seconds: float) -> float:
         return self.forward.predict(rows, window) + draft_seconds + rows * self.row_overhead
