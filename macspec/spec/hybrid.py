@@ -60,8 +60,8 @@ class Tracked:
     kind that failed on earlier requests (chat) is tried afresh on each new one (an edit), since
     a row's estimate only moves when that kind drafts for it."""
 
-    def __init__(self, record: AcceptancePrior):
-        start = [max(alpha, ALPHA_PRIOR) for alpha in record.alphas[:DEPTH]]
+    def __init__(self, record: AcceptancePrior | None = None):
+        start = [max(alpha, ALPHA_PRIOR) for alpha in record.alphas[:DEPTH]] if record else []
         self.alphas = start + [start[-1] if start else ALPHA_PRIOR] * (DEPTH - len(start))
         self.prior = list(self.alphas)
         self.reached = [0] * DEPTH
@@ -78,6 +78,7 @@ class RowChoice:
     # This step's suffix draft as outlook() found it: (committed length, the lookup, its
     # acceptance per position, whether it beats the model's).
     found: tuple[int, Lookup, list[float], bool] | None = None
+    isolated: bool = False  # its estimates start from no other request's (a seeded replay)
 
 
 def suffix_alphas(tracked: list[float], probs: list[float]) -> list[float]:
@@ -134,6 +135,9 @@ class HybridGroup(ProposerGroup):
     def _weigh(self, choice: RowChoice, row: ChainRow) -> tuple[Lookup, list[float], bool]:
         """The row's suffix draft, its expected acceptance per position, and whether it is
         expected to yield at least what the model's k drafts would."""
+        if not with_recent(row) and not choice.isolated:
+            # A seeded request replays exactly only if its choices do: nothing from other requests.
+            choice.tracked, choice.isolated = {kind: Tracked() for kind in KINDS}, True
         found = self.suffix.lookup(row.key, row.committed, row.k, with_recent(row))
         if not found.tokens:
             return found, [], False
