@@ -162,15 +162,10 @@ class SuffixGroup(ProposerGroup):
         for row in rows:
             at, tokens = self.planned.pop(row.key, (-1, []))
             if at != len(row.committed):  # not looked up for this step's plan
-                tokens = self.suggest(row.key, row.committed, row.k, with_recent(row))[0]
+                tokens = self.lookup(row.key, row.committed, row.k, with_recent(row)).tokens
             if tokens[:row.k]:  # a walk cut shorter is a prefix of the longer one
                 out[row.key] = Drafts(tokens[:row.k])
         return out
-
-    def suggest(self, key: int, committed: list[int], k: int, recent: bool = True) -> tuple[list[int], list[float]]:
-        """(draft, each token's path probability) for row `key` (see `lookup`)."""
-        found = self.lookup(key, committed, k, recent)
-        return found.tokens, found.probs
 
     def lookup(self, key: int, committed: list[int], k: int, recent: bool = True) -> "Lookup":
         """The draft for row `key`, whose tokens are `committed` (indexed first: the index
