@@ -75,9 +75,9 @@ class RowChoice:
     tracked: dict[str, Tracked]
     used: str = ""  # a KINDS entry, or "": which proposal the last step verified
     drafted: int = 0
-    # This step's suffix draft as outlook() found it: (committed length, the lookup, its
-    # acceptance per position, whether it beats the model's).
-    found: tuple[int, Lookup, list[float], bool] | None = None
+    # This step's suffix draft as outlook() found it: (committed length, the lookup, whether it
+    # beats the model's).
+    found: tuple[int, Lookup, bool] | None = None
     isolated: bool = False  # its estimates start from no other request's (a seeded replay)
 
 
@@ -128,8 +128,8 @@ class HybridGroup(ProposerGroup):
         choice = self.choices.get(row.key)
         if choice is None:
             return None
-        choice.found = (len(row.committed), *self._weigh(choice, row))
-        _, _, alphas, wins = choice.found
+        found, alphas, wins = self._weigh(choice, row)
+        choice.found = (len(row.committed), found, wins)
         return alphas if wins else None
 
     def _weigh(self, choice: RowChoice, row: ChainRow) -> tuple[Lookup, list[float], bool]:
@@ -149,7 +149,7 @@ class HybridGroup(ProposerGroup):
     def _found(self, choice: RowChoice, row: ChainRow) -> tuple[Lookup, bool]:
         """The suffix draft for this step: outlook's (the plan counted on its choice), or found now."""
         if choice.found is not None and choice.found[0] == len(row.committed):
-            _, found, _, wins = choice.found
+            _, found, wins = choice.found
         else:
             found, _, wins = self._weigh(choice, row)
         return Lookup(found.tokens[:row.k], found.probs[:row.k], found.source), wins and row.k > 0
