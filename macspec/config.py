@@ -121,7 +121,8 @@ class SamplingConfig:
     min_p: float = spec(0.0, _range(0.0, 1.0), "drop tokens below min_p * p_max")
     repetition_penalty: float = spec(1.0, _range(0.0, 10.0), "1 = off")
     repetition_context_size: int = spec(20, _range(1, integer=True), "tokens the penalty looks back")
-    max_tokens: int = spec(256, _range(1, integer=True), "default generation length")
+    max_tokens: int = spec(256, _range(1, integer=True), "macspec run: tokens generated "
+                           "(serve: server.max_output_tokens)")
     seed: int | None = spec(None, _optional(_range(0, integer=True)), "sampling seed")
 
 
@@ -177,8 +178,14 @@ class ServerConfig:
     model_aliases: list[str] = spec(None, _string_list, "more names accepted as `model` (and "
                                     "listed by /v1/models), e.g. [\"gpt-4o\"]; \"default\" "
                                     "is always accepted", factory=list)
-    accept_any_model: bool = spec(False, _bool, "accept any `model` name and serve this "
-                                  "profile's model (the response names the served model)")
+    strict_model_names: bool = spec(False, _bool, "answer 404 for a `model` that is not one "
+                                    "of the served names; false = any name is served (and echoed)")
+    max_output_tokens: int = spec(32768, _range(1, integer=True), "tokens generated for a request "
+                                  "that names no max_tokens / max_output_tokens (also at most "
+                                  "what the context leaves)")
+    clamp_max_tokens: bool = spec(True, _bool, "a max_tokens past what the context leaves "
+                                  "generates up to the context; false = a 400 "
+                                  "context_length_exceeded")
     allowed_hosts: list[str] = spec(None, _string_list, "Host header names accepted besides "
                                     "localhost, 127.0.0.1, [::1] and the bind address (checked "
                                     "only when bound to loopback; guards against DNS rebinding)",
@@ -194,6 +201,12 @@ class ServerConfig:
                                  "this long gets 408")
     tool_parser: str = spec("auto", _choice(("auto", "kimi", "glm", "json")), "how the model "
                             "writes tool calls; auto = from its chat template and tokens")
+    strict_json_schema: bool = spec(True, _bool, "an object schema that names properties but "
+                                    "not additionalProperties admits only those (as vLLM); "
+                                    "false = any extra key, as JSON Schema reads it")
+    inject_tool_prompt: bool = spec(True, _bool, "when the chat template ignores `tools`, "
+                                    "describe them in the system message (Qwen2.5's <tool_call> "
+                                    "wording) and render calls and results as text")
     reasoning_parser: str = spec("auto", _choice(("auto", "think", "none")), "<think>…</think> "
                                  "as reasoning_content / thinking blocks; auto = when the chat "
                                  "template uses <think>")
@@ -206,6 +219,18 @@ class ServerConfig:
                                 "prompts always tokenized from text")
 
 
+@dataclass
+class TestingConfig:
+    """Switches for driving real agent clients with models too small to act as agents."""
+    force_tool_call: list[str] = spec(None, _string_list, "a request whose last turn is the "
+                                      "user's and that offers one of these tools (\"*\" = any) "
+                                      "must call the first offered, its arguments the model's",
+                                      factory=list)
+    answer_pattern: str | None = spec(None, _optional(_string), "a regex the answer to a tool's "
+                                      "result must match (then the turn ends), for a model that "
+                                      "never stops on its own")
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "speculative": SpeculativeConfig,
@@ -214,6 +239,7 @@ SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "hardware": HardwareConfig,
     "server": ServerConfig,
+    "testing": TestingConfig,
 }
 TOP_LEVEL = ("name", "description")
 
@@ -229,6 +255,7 @@ class Profile:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    testing: TestingConfig = field(default_factory=TestingConfig)
     source: str = "<defaults>"
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -264,6 +291,8 @@ REMOVED_KEYS = {
     "kv.kv_bits": "quantized KV was removed: mlx-lm's MLA attention (Kimi K2.5, Moonlight, "
                   "GLM-5) cannot use a quantized cache, and the batched cache keeps the model's dtype",
     "kv.kv_group_size": "quantized KV was removed (see kv.kv_bits)",
+    "server.accept_any_model": "any `model` name is now served by default; "
+                               "server.strict_model_names = true answers 404 for unknown ones",
 }
 
 

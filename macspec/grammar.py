@@ -22,16 +22,55 @@ from .errors import MacspecError, RequestError
 logger = logging.getLogger(__name__)
 
 GRAMMAR_KINDS = ("json_schema", "regex", "lark", "choice")
+# Keywords whose value is a subschema, a list of them, or a map of names to them.
+_SUBSCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
+              "propertyNames", "unevaluatedItems", "unevaluatedProperties", "additionalItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 class GrammarError(MacspecError):
     """The output broke its grammar (a bug: the mask should have prevented it)."""
 
 
-class GrammarCompiler:
-    """One per tokenizer: the llguidance view of the vocabulary is built once."""
+def strict_schema(schema):
+    """A copy in which every object schema that names `properties` but says nothing of extra
+    keys admits only those (vLLM's xgrammar reads schemas so; llguidance has no switch for it).
+    `allOf` branches, and a schema with an `allOf`, are left open: closing each part would
+    make their intersection refuse the other parts' keys."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if isinstance(out.get("properties"), dict) and not any(
+            key in out for key in ("additionalProperties", "unevaluatedProperties", "allOf")):
+        out["additionalProperties"] = False
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = strict_schema(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_schema(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: strict_schema(s) for name, s in out[key].items()}
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [_strict_inside(s) for s in out["allOf"]]
+    return out
 
-    def __init__(self, tokenizer, logits_width: int):
+
+def _strict_inside(schema):
+    # An allOf branch stays as open as written; what it nests is closed as usual.
+    closed = strict_schema(schema)
+    if isinstance(schema, dict) and "additionalProperties" not in schema:
+        closed.pop("additionalProperties", None)
+    return closed
+
+
+class GrammarCompiler:
+    """One per tokenizer: the llguidance view of the vocabulary is built once. `strict`: object
+    schemas that do not allow extra keys refuse them (see strict_schema)."""
+
+    def __init__(self, tokenizer, logits_width: int, strict: bool = True):
         import llguidance.hf
 
         hf = getattr(tokenizer, "_tokenizer", tokenizer)
@@ -45,6 +84,7 @@ class GrammarCompiler:
         except ValueError as err:
             raise RequestError(f"structured output cannot use this model's tokenizer: {err}") from None
         self.width = logits_width  # the target's logits; ids past the tokenizer's never pass
+        self.strict = strict
         self.mask_seconds = 0.0  # total time spent computing masks (the bench reports µs/token)
         self.masks_computed = 0
 
@@ -55,7 +95,8 @@ class GrammarCompiler:
         try:
             if kind == "json_schema":
                 grammar = LLMatcher.grammar_from_json_schema(
-                    value, defaults={"whitespace_flexible": False})
+                    strict_schema(value) if self.strict else value,
+                    defaults={"whitespace_flexible": False})
             elif kind == "regex":
                 grammar = LLMatcher.grammar_from_regex(value)
             elif kind == "lark":

@@ -166,10 +166,30 @@ def test_stored_responses_get_delete_and_bounded(client):
     assert client.responses.retrieve(ids[-1]).id == ids[-1]
 
 
+def test_codex_tools_namespaces_and_hosted_tools_are_served(server, client):
+    """Codex sends a `namespace` of client-run functions and hosted tools (web search): the
+    namespace's functions reach the model, its calls carry `namespace` back, hosted tools are
+    left out with a warning instead of a 400."""
+    tools = [{"type": "namespace", "name": "agents", "description": "sub-agents",
+              "tools": [{"type": "function", "name": "add", "parameters": ADD}]},
+             {"type": "web_search", "external_web_access": True},
+             {"type": "file_search", "vector_store_ids": []}]
+    reply = create(client, input="add 2 and 3", tools=tools,
+                   tool_choice={"type": "function", "name": "add"})
+    call = reply.output[0]
+    assert (call.type, call.name, call.namespace) == ("function_call", "add", "agents")
+    jsonschema.validate(json.loads(call.arguments), ADD)
+    assert "web_search" in " ".join(reply.model_extra["warnings"])
+    follow = create(client, tools=tools, input=[
+        {"role": "user", "content": "add 2 and 3"},
+        {"type": "function_call", "call_id": call.call_id, "name": "add", "namespace": "agents",
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "5"},
+        {"type": "web_search_call", "id": "ws_1", "status": "completed"}])
+    assert follow.status in ("completed", "incomplete")
+
+
 @pytest.mark.parametrize("body, message", [
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "'web_search' cannot run here"),
-    ({"input": "x", "tools": [{"type": "file_search", "vector_store_ids": []}]}, "'file_search'"),
-    ({"input": "x", "tools": [{"type": "computer_use_preview"}]}, "'computer_use_preview'"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "'item_reference' is not supported"),
     ({"input": 3}, "'input' must be"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format"),

@@ -9,7 +9,8 @@ import pytest
 
 from macspec.errors import RequestError
 from macspec.server.output import Part
-from macspec.server.responses_input import input_messages, normalise_input, plan_responses, thinking_args
+from macspec.server.responses_input import (ResponseTools, input_messages, normalise_input,
+                                            plan_responses, thinking_args)
 from macspec.server.responses_output import ItemBuilder, output_items_as_input
 from macspec.server.toolcalls import ToolCallDelta
 
@@ -36,17 +37,35 @@ def test_tools_and_choices_make_the_shared_plan():
     tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}},
              {"type": "custom", "name": "g", "format": {"type": "grammar", "syntax": "lark",
                                                         "definition": "start: \"a\""}}]
-    plan, custom = plan_responses({"tools": tools, "tool_choice": {"type": "custom", "name": "g"}})
-    assert plan.tool_mode == "named" and plan.grammar == ("lark", 'start: "a"') and "g" in custom
+    plan, named = plan_responses({"tools": tools, "tool_choice": {"type": "custom", "name": "g"}})
+    assert plan.tool_mode == "named" and plan.grammar == ("lark", 'start: "a"') and "g" in named.custom
     plan, _ = plan_responses({"tools": tools, "text": {"format": {"type": "json_object"}}})
     assert plan.tool_mode == "auto" and plan.grammar == ("json_schema", {"type": "object"})
     assert thinking_args({"reasoning": {"effort": "none"}}) == {"enable_thinking": False}
-    with pytest.raises(RequestError, match="'web_search' cannot run here"):
-        plan_responses({"tools": [{"type": "web_search"}]})
+    with pytest.raises(RequestError, match="needs .tools."):
+        plan_responses({"tools": [{"type": "web_search"}], "tool_choice": {"type": "function", "name": "x"}})
+
+
+def test_namespaces_flatten_and_map_back():
+    spaced = {"type": "namespace", "name": "ns", "tools": [
+        {"type": "function", "name": "f", "parameters": {"type": "object"}},
+        {"type": "function", "name": "g", "parameters": {"type": "object"}}]}
+    plan, tools = plan_responses({"tools": [spaced, {"type": "function", "name": "f"},
+                                            {"type": "web_search"}]})
+    assert sorted(t["function"]["name"] for t in plan.tools) == ["f", "g", "ns.f"]
+    assert tools.wire_name("ns.f") == ("ns", "f") and tools.wire_name("g") == ("ns", "g")
+    assert tools.wire_name("f") == (None, "f") and tools.dropped == ["web_search"]
+    messages = input_messages([{"type": "function_call", "call_id": "c", "name": "f",
+                                "namespace": "ns", "arguments": "{}"}], tools)
+    assert messages[0]["tool_calls"][0]["function"]["name"] == "ns.f"
+    builder = ItemBuilder(tools, raw_custom=False)
+    builder.feed([Part("call", call=ToolCallDelta(0, "call_1", "g", "{}"))])
+    builder.finish()
+    assert (builder.items[0]["name"], builder.items[0]["namespace"]) == ("g", "ns")
 
 
 def test_item_builder_events_follow_the_reference_order():
-    builder = ItemBuilder({}, raw_custom=False)
+    builder = ItemBuilder(ResponseTools(), raw_custom=False)
     events = builder.feed([Part("reasoning", "think"), Part("content", "hel"), Part("content", "lo"),
                            Part("call", call=ToolCallDelta(0, "call_1", "add", '{"a"')),
                            Part("call", call=ToolCallDelta(0, None, None, ': 1}'))])
@@ -67,7 +86,7 @@ def test_item_builder_events_follow_the_reference_order():
 
 
 def test_custom_calls_unwrap_their_input():
-    builder = ItemBuilder({"sh": {"type": "text"}}, raw_custom=False)
+    builder = ItemBuilder(ResponseTools(custom={"sh": {"type": "text"}}), raw_custom=False)
     builder.feed([Part("call", call=ToolCallDelta(0, "call_1", "sh", '{"input": "ls -a"}'))])
     builder.finish()
     assert builder.items[0]["type"] == "custom_tool_call" and builder.items[0]["input"] == "ls -a"

@@ -8,6 +8,7 @@ assistant's tool calls, `tool_result` blocks are tool messages; the output's rea
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 
 from aiohttp import web
@@ -17,19 +18,31 @@ from .choices import start_response
 from .output import ChatOutput, collect
 from .schema import build_job, get_bool, get_int, get_stop, parse_json_body
 from .state import STATE, ServerState
-from .structured import plan_anthropic
+from .structured import apply_testing, plan_anthropic
 
-ROLES = ("user", "assistant")
+logger = logging.getLogger(__name__)
+
+ROLES = ("user", "assistant", "system")  # Claude Code sends system messages mid-conversation
+MEDIA = ("image", "document")  # what a text model cannot read
+MEDIA_PLACEHOLDER = "[{} omitted: this model reads text only]"
 
 
-def _text_of(content, where: str) -> str:
-    """A string, or a list of text blocks."""
+def _text_of(content, where: str, media_ok: bool = False) -> str:
+    """A string, or a list of text blocks; `media_ok` turns image and document blocks into a
+    placeholder (a tool's screenshot must not fail every later turn that re-sends it)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text"
-                                         and isinstance(b.get("text"), str) for b in content):
-        return "".join(b["text"] for b in content)
+    if isinstance(content, list) and all(_is_text(b) or (media_ok and _is_media(b)) for b in content):
+        return "".join(b["text"] if _is_text(b) else MEDIA_PLACEHOLDER.format(b["type"]) for b in content)
     raise RequestError(f"{where} must be a string or a list of text blocks", "messages")
+
+
+def _is_text(block) -> bool:
+    return isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str)
+
+
+def _is_media(block) -> bool:
+    return isinstance(block, dict) and block.get("type") in MEDIA
 
 
 def _system(body: dict) -> list[dict]:
@@ -47,9 +60,12 @@ def conversation(body: dict) -> list[dict]:
     out = _system(body)
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise RequestError(f"messages[{i}] must be an object with role user or assistant", "messages")
+            raise RequestError(f"messages[{i}] must be an object with role user, assistant or "
+                               "system", "messages")
         content = m.get("content")
-        if isinstance(content, str):
+        if m["role"] == "system":
+            out.append({"role": "system", "content": _text_of(content, f"messages[{i}].content")})
+        elif isinstance(content, str):
             out.append({"role": m["role"], "content": content})
         elif isinstance(content, list):
             out += _blocks(m["role"], content, i)
@@ -69,12 +85,15 @@ def _blocks(role: str, blocks: list, index: int) -> list[dict]:
             calls.append({"id": str(block.get("id", "")), "type": "function",
                           "function": {"name": block["name"], "arguments": block.get("input", {})}})
         elif kind == "tool_result" and role == "user" and isinstance(block.get("tool_use_id"), str):
-            text = _text_of(block.get("content", ""), f"{where}.content")
+            text = _text_of(block.get("content", ""), f"{where}.content", media_ok=True)
             if block.get("is_error"):
                 text = f"Error: {text}"
             results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             thinking.append(block.get("thinking", ""))
+        elif kind in MEDIA:
+            raise RequestError(f"{where}: {kind} blocks cannot be served: this model reads text "
+                               "only", "messages")
         else:
             raise RequestError(f"{where}: type {kind!r} is not supported in a {role} message "
                                "(text, tool_use, tool_result, thinking)"[:300], "messages")
@@ -90,20 +109,61 @@ def _blocks(role: str, blocks: list, index: int) -> list[dict]:
 
 
 def _thinking_args(body: dict) -> dict:
-    """`thinking` turns the template's thinking switch (GLM, Qwen: enable_thinking) on or off."""
+    """`thinking` turns the template's thinking switch (GLM, Qwen: enable_thinking) on or off;
+    "adaptive" is on with no budget (the model decides how long)."""
+    _check_effort(body)
     value = body.get("thinking")
     if value is None:
         return {}
-    if not isinstance(value, dict) or value.get("type") not in ("enabled", "disabled"):
-        raise RequestError("'thinking' must be {'type': 'enabled', 'budget_tokens': N} or "
-                           "{'type': 'disabled'}", "thinking")
+    if not isinstance(value, dict) or value.get("type") not in ("enabled", "adaptive", "disabled"):
+        raise RequestError("'thinking' must be {'type': 'enabled', 'budget_tokens': N}, "
+                           "{'type': 'adaptive'} or {'type': 'disabled'}", "thinking")
     if value["type"] == "enabled":
         get_int(value, "budget_tokens", None, lo=1)
-    return {"enable_thinking": value["type"] == "enabled"}
+    return {"enable_thinking": value["type"] != "disabled"}
 
 
-async def _prompt(state: ServerState, body: dict, tools) -> tuple[list[int], bool]:
-    return await state.off_loop(lambda: state.render_chat(conversation(body), tools, **_thinking_args(body)))
+def _check_effort(body: dict) -> None:
+    """output_config.effort ("low" ... "max") has no switch in chat templates (thinking on/off is
+    `thinking`'s): accepted and ignored, whatever new level a client sends."""
+    config = body.get("output_config")
+    effort = config.get("effort") if isinstance(config, dict) else None
+    if effort is not None and not isinstance(effort, str):
+        raise RequestError("output_config.effort must be a string such as \"high\"", "output_config")
+    if effort is not None:
+        logger.debug("output_config.effort = %s ignored (no template switch for it)", effort)
+
+
+def _check_unsupported(body: dict) -> None:
+    """Claude Code's defaults (metadata, context_management, service_tier, container) are
+    ignored; MCP servers cannot be reached from here."""
+    if body.get("mcp_servers"):
+        raise RequestError("'mcp_servers' is not supported: this server cannot connect to MCP "
+                           "servers (give their tools as client tools)", "mcp_servers")
+
+
+async def _prompt(state: ServerState, body: dict, messages: list[dict], tools) -> tuple[list[int], bool]:
+    args = _thinking_args(body)
+
+    def render():
+        try:
+            return state.render_chat(messages, tools, **args)
+        except RequestError:
+            merged = leading_system(messages)
+            if merged == messages:
+                raise
+            # Templates such as Gemma's or Mistral's take one system message, first.
+            logger.debug("the chat template refused system messages after the first; merged")
+            return state.render_chat(merged, tools, **args)
+
+    return await state.off_loop(render)
+
+
+def leading_system(messages: list[dict]) -> list[dict]:
+    """All system messages merged, in order, into one leading system message."""
+    system = [m["content"] for m in messages if m["role"] == "system"]
+    rest = [m for m in messages if m["role"] != "system"]
+    return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + rest
 
 
 def stop_reason(result, called: bool) -> str:
@@ -118,23 +178,26 @@ async def count_tokens(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE]
     body = parse_json_body(await request.read())
     state.check_model(body.get("model"))
+    _check_unsupported(body)
     plan = plan_anthropic(body)
-    prompt, _ = await _prompt(state, body, plan.tools)
+    prompt, _ = await _prompt(state, body, conversation(body), plan.tools)
     return web.json_response({"input_tokens": len(prompt)})
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
     body = parse_json_body(await request.read())
-    state.check_model(body.get("model"))
+    model = state.check_model(body.get("model"))
     max_tokens = get_int(body, "max_tokens", None, lo=1)
     if max_tokens is None:
         raise RequestError("'max_tokens' is required", "max_tokens")
     stream = get_bool(body, "stream", False)
-    plan = plan_anthropic(body)
-    prompt, in_reasoning = await _prompt(state, body, plan.tools)
+    _check_unsupported(body)
+    talk = conversation(body)
+    plan = apply_testing(plan_anthropic(body), state.profile.testing, talk)
+    prompt, in_reasoning = await _prompt(state, body, talk, plan.tools)
     spec = build_job(body, prompt, max_tokens, get_stop(body, "stop_sequences"), state.profile,
-                     temperature_max=1.0, vocab=state.runtime.vocab_size)
+                     temperature_max=1.0, vocab=state.runtime.vocab_size, anthropic=True)
     group = await start_response(request, state, spec, plan.grammar)
     job = group.jobs[0]
     output = ChatOutput(plan, state.tool_format, state.parses_reasoning, in_reasoning)
@@ -150,7 +213,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         content += [{"type": "tool_use", "id": _tool_use_id(c.id), "name": c.name,
                      "input": _input(c.arguments)} for c in got.calls]
         return web.json_response({
-            "id": ident, "type": "message", "role": "assistant", "model": state.model_id,
+            "id": ident, "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": stop_reason(job.result, bool(got.calls)),
             "stop_sequence": job.result.stop_sequence,
             "usage": _usage(job, len(prompt)),
@@ -159,7 +222,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
     async def events():
         yield "message_start", {"type": "message_start", "message": {
-            "id": ident, "type": "message", "role": "assistant", "model": state.model_id,
+            "id": ident, "type": "message", "role": "assistant", "model": model,
             "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": len(prompt), "output_tokens": 0}}}
         yield "ping", {"type": "ping"}

@@ -19,7 +19,7 @@ from .jobs import Job, JobResult
 from .output import ChatOutput, collect
 from .schema import (build_job, get_bool, get_int, get_stop, parse_json_body, reject_unsupported)
 from .state import STATE, USAGE, ServerState
-from .structured import OutputPlan, plan_openai
+from .structured import OutputPlan, apply_testing, plan_openai
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None}
@@ -106,7 +106,7 @@ def completion_prompt(body: dict, tokenizer) -> list[int]:
 
 
 def _common(body: dict, state: ServerState):
-    state.check_model(body.get("model"))
+    model = state.check_model(body.get("model"))
     reject_unsupported(body, UNSUPPORTED)
     stream = get_bool(body, "stream", False)
     options = body.get("stream_options")
@@ -117,7 +117,7 @@ def _common(body: dict, state: ServerState):
     if max_tokens is None:
         max_tokens = get_int(body, "max_tokens", None, lo=1)
     n = get_int(body, "n", 1, lo=1, hi=MAX_CHOICES)
-    return stream, include_usage, max_tokens, get_stop(body, "stop"), n
+    return model, stream, include_usage, max_tokens, get_stop(body, "stop"), n
 
 
 def _chat_logprobs(body: dict) -> int | None:
@@ -143,37 +143,40 @@ async def _specs(state: ServerState, body: dict, prompt: list[int], max_tokens, 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
     body = parse_json_body(await request.read())
-    stream, include_usage, max_tokens, stop, n = _common(body, state)
+    model, stream, include_usage, max_tokens, stop, n = _common(body, state)
     plan = plan_openai(body)
     logprobs = _chat_logprobs(body)
-    prompt, in_reasoning = await state.off_loop(state.render_chat, chat_messages(body), plan.tools)
+    messages = chat_messages(body)
+    plan = apply_testing(plan, state.profile.testing, messages)
+    prompt, in_reasoning = await state.off_loop(state.render_chat, messages, plan.tools)
     specs = await _specs(state, body, prompt, max_tokens, stop, n, plan, logprobs)
 
     def shaper():
         return ChatOutput(plan, state.tool_format, state.parses_reasoning, in_reasoning)
 
-    return await _respond(request, state, specs, stream, include_usage, shaper)
+    return await _respond(request, state, model, specs, stream, include_usage, shaper)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
     body = parse_json_body(await request.read())
-    stream, include_usage, max_tokens, stop, n = _common(body, state)
+    model, stream, include_usage, max_tokens, stop, n = _common(body, state)
     reject_unsupported(body, {"tools": [], "tool_choice": None})
     plan = plan_openai(body)
     logprobs = get_int(body, "logprobs", None, lo=0, hi=MAX_LEGACY_LOGPROBS)
     prompt = await state.off_loop(completion_prompt, body, state.tokenizer)
     specs = await _specs(state, body, prompt, max_tokens, stop, n, plan, logprobs)
-    return await _respond(request, state, specs, stream, include_usage, None)
+    return await _respond(request, state, model, specs, stream, include_usage, None)
 
 
-async def _respond(request, state: ServerState, specs, stream: bool, include_usage: bool, shaper):
+async def _respond(request, state: ServerState, model: str, specs, stream: bool,
+                   include_usage: bool, shaper):
     """`shaper` makes a ChatOutput per choice (chat), or is None (text completions)."""
     group = await start_jobs(state, specs, lambda: _gone(request))
     request[USAGE] = group.jobs[0].usage
     chat = shaper is not None
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    head = {"id": ident, "created": int(time.time()), "model": state.model_id}
+    head = {"id": ident, "created": int(time.time()), "model": model}
     prompt_tokens = len(specs[0].prompt)
     if not stream:
         choices = [await _whole_choice(state, job, i, shaper) for i, job in enumerate(group.jobs)]

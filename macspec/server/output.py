@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from .reasoning import ReasoningSplitter
 from .structured import OutputPlan
-from .toolcalls import TextDelta, ToolCall, ToolCallDelta, make_call_id, make_parser
+from .toolcalls import (TextDelta, ToolCall, ToolCallDelta, cut_forced_call, make_call_id,
+                        make_parser)
 
 
 @dataclass
@@ -79,15 +80,18 @@ class ChatOutput:
         return parts
 
     def _required(self) -> list[Part]:
-        """The grammar made it {"name": ..., "arguments": {...}}; cut short (max_tokens) it is
-        text, never an error."""
+        """The grammar made it {"name": ..., "arguments": {...}}. Cut short (max_tokens) it is
+        still the call, its arguments as far as they got, as a named call's are; only a cut
+        before the name is decided leaves text."""
         text = "".join(self.buffer)
         try:
             value = json.loads(text)
-            name, args = value["name"], value["arguments"]
+            name, arguments = value["name"], json.dumps(value["arguments"], ensure_ascii=False)
         except (ValueError, KeyError, TypeError):
-            return [Part("content", text)] if text else []
-        arguments = json.dumps(args, ensure_ascii=False)
+            cut = cut_forced_call(text, [t["function"]["name"] for t in self.plan.tools])
+            if cut is None:
+                return [Part("content", text)] if text else []
+            name, arguments = cut
         return [Part("call", call=ToolCallDelta(0, self.call_id, name, arguments))]
 
 

@@ -23,6 +23,7 @@ from .responses_input import input_messages, normalise_input, plan_responses, th
 from .responses_output import ItemBuilder, new_id, output_items_as_input
 from .schema import build_job, get_bool, get_int, get_str, parse_json_body, reject_unsupported
 from .state import STATE, ServerState
+from .structured import apply_testing
 
 UNSUPPORTED = {"background": False, "conversation": None, "prompt": None, "top_logprobs": 0}
 ECHOED = ("instructions", "metadata", "parallel_tool_calls", "temperature", "top_p",
@@ -67,8 +68,8 @@ def _history(request: web.Request, body: dict) -> list:
     return earlier + output_items_as_input(response["output"]) + items
 
 
-def _messages(body: dict, items: list) -> list[dict]:
-    messages = input_messages(items)
+def _messages(body: dict, items: list, tools) -> list[dict]:
+    messages = input_messages(items, tools)
     instructions = get_str(body, "instructions")
     if instructions:  # not carried over by previous_response_id, as the reference says
         messages.insert(0, {"role": "system", "content": instructions})
@@ -77,14 +78,15 @@ def _messages(body: dict, items: list) -> list[dict]:
     return messages
 
 
-def _shell(body: dict, state: ServerState, ident: str, status: str) -> dict:
+def _shell(body: dict, state: ServerState, ident: str, status: str, warnings: list[str]) -> dict:
     echo = {key: body.get(key) for key in ECHOED}
     echo["parallel_tool_calls"] = body.get("parallel_tool_calls", True)
     echo["tool_choice"] = body.get("tool_choice") or "auto"
     echo["tools"] = body.get("tools") or []
     return {"id": ident, "object": "response", "created_at": int(time.time()), "status": status,
-            "model": state.model_id, "output": [], "error": None, "incomplete_details": None,
-            "usage": None, "store": body.get("store", True), **echo}
+            "model": state.check_model(body.get("model")), "output": [], "error": None, "incomplete_details": None,
+            "usage": None, "store": body.get("store", True), **echo,
+            **({"warnings": warnings} if warnings else {})}
 
 
 def _finish(shell: dict, job, builder: ItemBuilder, prompt_tokens: int) -> dict:
@@ -106,17 +108,19 @@ async def create(request: web.Request) -> web.StreamResponse:
     state.check_model(body.get("model"))
     reject_unsupported(body, UNSUPPORTED)
     stream, store = get_bool(body, "stream", False), get_bool(body, "store", True)
-    plan, custom = plan_responses(body)
+    plan, tools = plan_responses(body)
     items = _history(request, body)
+    messages = _messages(body, items, tools)
+    plan = apply_testing(plan, state.profile.testing, messages)
     prompt, in_reasoning = await state.off_loop(
-        lambda: state.render_chat(_messages(body, items), plan.tools, **thinking_args(body)))
+        lambda: state.render_chat(messages, plan.tools, **thinking_args(body)))
     spec = build_job(body, prompt, get_int(body, "max_output_tokens", None, lo=1), [], state.profile,
                      vocab=state.runtime.vocab_size)
     group = await start_response(request, state, spec, plan.grammar)
     job = group.jobs[0]
     output = ChatOutput(plan, state.tool_format, state.parses_reasoning, in_reasoning)
-    builder = ItemBuilder(custom, raw_custom=plan.tool_mode == "named" and plan.forced in custom)
-    shell = _shell(body, state, new_id("resp"), "in_progress")
+    builder = ItemBuilder(tools, raw_custom=plan.tool_mode == "named" and plan.forced in tools.custom)
+    shell = _shell(body, state, new_id("resp"), "in_progress", tools.warnings())
 
     def save(response: dict) -> None:
         if store:

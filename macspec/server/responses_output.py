@@ -16,8 +16,8 @@ class ItemBuilder:
     item, a message, one call item per tool call. `events` collects (type, fields) pairs for
     streaming; whole responses read `items` only."""
 
-    def __init__(self, custom: dict[str, dict], raw_custom: bool):
-        self.custom = custom
+    def __init__(self, tools, raw_custom: bool):
+        self.tools = tools  # ResponseTools: custom formats and namespaces by template name
         self.raw_custom = raw_custom  # a forced custom tool: the output is its raw input
         self.items: list[dict] = []
         self.events: list[tuple[str, dict]] = []
@@ -46,12 +46,8 @@ class ItemBuilder:
         return out
 
     def _start(self, part, key) -> None:
-        if part.kind == "call" and part.call.name in self.custom:
-            item = {"id": new_id("ctc"), "type": "custom_tool_call", "status": "in_progress",
-                    "call_id": part.call.id, "name": part.call.name, "input": ""}
-        elif part.kind == "call":
-            item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress",
-                    "call_id": part.call.id, "name": part.call.name, "arguments": ""}
+        if part.kind == "call":
+            item = self._call_item(part.call)
         elif part.kind == "reasoning":
             item = {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": [],
                     "status": "in_progress"}
@@ -65,6 +61,18 @@ class ItemBuilder:
         if item["type"] in ("message", "reasoning"):
             self._event("response.content_part.added", item_id=item["id"], content_index=0,
                         part=_part(item["type"], ""))
+
+    def _call_item(self, call) -> dict:
+        namespace, name = self.tools.wire_name(call.name)
+        if call.name in self.tools.custom:
+            item = {"id": new_id("ctc"), "type": "custom_tool_call", "status": "in_progress",
+                    "call_id": call.id, "name": name, "input": ""}
+        else:
+            item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress",
+                    "call_id": call.id, "name": name, "arguments": ""}
+        if namespace is not None:
+            item["namespace"] = namespace
+        return item
 
     def _delta(self, part) -> None:
         item = self.items[-1]

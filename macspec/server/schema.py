@@ -4,6 +4,7 @@ names the field, what it got and what it accepts."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from typing import Any
 
@@ -11,6 +12,8 @@ from ..proposers import METHODS
 from ..sampling import SamplingParams
 from ..errors import RequestError
 from .jobs import JobSpec
+
+logger = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 16
 
@@ -193,17 +196,53 @@ def reject_unsupported(body: dict, fields: dict[str, Any]) -> None:
             raise RequestError(f"'{name}' = {value!r} is not supported (only {neutral!r})"[:300], name)
 
 
+class ContextLengthError(RequestError):
+    """A prompt (or prompt + max_tokens) past the context, in the words clients act on: OpenAI's
+    code context_length_exceeded (Codex), Anthropic's "prompt is too long" (Claude Code)."""
+
+    error_type = "context_length_exceeded"
+
+
+def output_limit(prompt_tokens: int, max_tokens: int | None, profile, anthropic: bool = False) -> int:
+    """The tokens a request may generate: what it asked for, or up to what the context leaves
+    (server.max_output_tokens at most) when it named none, as vLLM does."""
+    context = profile.kv.max_context
+    if prompt_tokens >= context:  # one token at least must fit after the prompt
+        raise ContextLengthError(f"prompt is too long: {prompt_tokens} tokens > {context} maximum"
+                                 if anthropic else
+                                 f"This model's maximum context length is {context} tokens. However, "
+                                 f"your messages resulted in {prompt_tokens} tokens. Please reduce "
+                                 "the length of the messages.", "messages")
+    left = context - prompt_tokens
+    if max_tokens is None:
+        return min(profile.server.max_output_tokens, left)
+    if max_tokens <= left:
+        return max_tokens
+    if not profile.server.clamp_max_tokens:
+        raise ContextLengthError(_overflow_message(prompt_tokens, max_tokens, context, anthropic),
+                                 "max_tokens")
+    # As llama.cpp: agents ask for more than a small context leaves (Claude Code: 32000).
+    logger.debug("max_tokens %d clamped to %d (prompt %d tokens, context %d)",
+                 max_tokens, left, prompt_tokens, context)
+    return left
+
+
+def _overflow_message(prompt_tokens: int, max_tokens: int, context: int, anthropic: bool) -> str:
+    if anthropic:
+        return (f"input length and `max_tokens` exceed context limit: {prompt_tokens} + "
+                f"{max_tokens} > {context}, decrease input length or `max_tokens` and try again")
+    return (f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in "
+            "the completion). Please reduce the length of the messages or completion.")
+
+
 def build_job(body: dict, prompt: list[int], max_tokens: int | None, stop: list[str], profile,
               temperature_max: float = 2.0, vocab: int | None = None,
-              logprobs: int | None = None) -> JobSpec:
-    context = profile.kv.max_context
+              logprobs: int | None = None, anthropic: bool = False) -> JobSpec:
+    """`anthropic` picks the wording of context errors (each client parses its own)."""
     if not prompt:
         raise RequestError("the prompt is empty", "prompt")
-    if max_tokens is None:
-        max_tokens = min(profile.sampling.max_tokens, context - len(prompt))
-    if max_tokens < 1 or len(prompt) + max_tokens > context:
-        raise RequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                           f"context length {context}", "max_tokens")
+    max_tokens = output_limit(len(prompt), max_tokens, profile, anthropic)
     params = sampling_params(body, profile.sampling, temperature_max, vocab)
     return JobSpec(prompt, params, max_tokens, stop, ignore_eos=get_bool(body, "ignore_eos", False),
                    logprobs=logprobs, **speculative_options(body))

@@ -17,6 +17,7 @@ from ..errors import MacspecError, NotFoundError, RequestError
 from ..grammar import GrammarCompiler
 from .jobs import ClientGone, Job
 from .reasoning import opens_in_reasoning
+from .tool_prompt import TemplateTools, probe_template, with_tool_prompt
 from .toolcalls import detect_format
 from .turns import TurnMemory
 
@@ -27,14 +28,18 @@ ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_erro
                          413: "request_too_large", 415: "invalid_request_error",
                          429: "rate_limit_error", 503: "overloaded_error"}
 DEFAULT_MODEL = "default"  # always accepted as `model`: whatever this server serves
+# 400s whose error_type is an OpenAI error `code` that clients act on (Codex compacts its
+# history on context_length_exceeded); their `type` stays invalid_request_error.
+REQUEST_ERROR_CODES = ("context_length_exceeded",)
 
 
 def error_body(status: int, message: str, error_type: str, param: str | None, anthropic: bool) -> dict:
     if anthropic:
         return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"),
                                            "message": message}}
-    return {"error": {"message": message, "type": error_type, "param": param,
-                      "code": error_type if status != 400 else None}}
+    coded = error_type in REQUEST_ERROR_CODES
+    return {"error": {"message": message, "type": "invalid_request_error" if coded else error_type,
+                      "param": param, "code": error_type if coded or status != 400 else None}}
 
 
 class ServerState:
@@ -44,27 +49,28 @@ class ServerState:
         self.runtime = engine.runtime
         self.tokenizer = engine.runtime.tokenizer
         self.started = time.time()
-        self.model_id = profile.model.path  # what responses name as `model`, whatever was asked
+        self.model_id = profile.model.path  # what responses name as `model` when none was asked
         names = [profile.model.path, profile.name, Path(profile.model.path.split(":")[-1]).name,
                  *profile.server.model_aliases]
         self.model_names = list(dict.fromkeys(names))  # listed by /v1/models, in this order
-        self.accept_any_model = profile.server.accept_any_model
+        self.strict_model_names = profile.server.strict_model_names
         self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
         self._token_bytes: dict[int, bytes] = {}
         # Earlier answers' ids for the next turn's prompt (see server/turns.py).
         self.turns = TurnMemory(self.tokenizer, profile.server.answer_ids_kept)
         self.stopping = False  # set at shutdown: /health answers 503 until the port closes
 
-    def check_model(self, model) -> None:
-        if model is None:
-            return  # a missing model means the one we serve
+    def check_model(self, model) -> str:
+        """-> the `model` responses carry: the name asked for (echoed, as vLLM and llama.cpp do;
+        agents such as Claude Code check it), or the served model for none or "default"."""
+        if model is None or model == "" or model == DEFAULT_MODEL:
+            return self.model_id
         if not isinstance(model, str):
             raise RequestError("'model' must be a string", "model")
-        if model == DEFAULT_MODEL or self.accept_any_model:
-            return
-        if model not in self.model_names:
+        if self.strict_model_names and model not in self.model_names:
             raise NotFoundError(f"model {model[:200]!r} is not served here; available: "
                                 f"{', '.join([*self.model_names, DEFAULT_MODEL])}", "model")
+        return model
 
     async def off_loop(self, fn, *args):
         """Tokenizing and chat templating take milliseconds per long prompt: run them on a
@@ -74,8 +80,11 @@ class ServerState:
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     **template_args) -> tuple[list[int], bool]:
         """-> (prompt ids, whether the prompt leaves a <think> block open). Tools go to the chat
-        template as transformers passes them; a template that cannot render them is a 400."""
+        template as transformers passes them; a template that cannot render them is a 400. A
+        template that ignores them gets them, and earlier calls, as text (server/tool_prompt.py)."""
         if self.has_chat_template:
+            if self.template_tools.injects:
+                messages, tools = with_tool_prompt(messages, tools, self.template_tools), None
             try:
                 text = self.tokenizer.apply_chat_template(
                     messages, tools=tools or None, add_generation_prompt=True, tokenize=False,
@@ -92,9 +101,17 @@ class ServerState:
         return self.turns.encode(text), opens_in_reasoning(text)
 
     @functools.cached_property
+    def template_tools(self) -> TemplateTools:
+        """What the chat template does with tools, probed once."""
+        if not (self.has_chat_template and self.profile.server.inject_tool_prompt):
+            return TemplateTools()
+        return probe_template(self.tokenizer)
+
+    @functools.cached_property
     def grammar(self) -> GrammarCompiler:
         """Built on first use (~20 ms to 1 s for a large vocabulary)."""
-        return GrammarCompiler(self.tokenizer, self.runtime.vocab_size)
+        return GrammarCompiler(self.tokenizer, self.runtime.vocab_size,
+                               strict=self.profile.server.strict_json_schema)
 
     def compile_grammar(self, kind: str, value) -> str:
         return self.grammar.compile(kind, value)
@@ -116,6 +133,8 @@ class ServerState:
         choice = self.profile.server.tool_parser
         if choice != "auto":
             return choice
+        if self.template_tools.injects:  # the injected block teaches <tool_call>{json}
+            return "json"
         special = set(getattr(self.tokenizer, "all_special_tokens", None) or [])
         special |= set(getattr(getattr(self.tokenizer, "_tokenizer", None), "added_tokens_encoder", {}) or {})
         return detect_format(getattr(self.tokenizer, "chat_template", None), special)

@@ -8,9 +8,12 @@ named or required), or free text in which the model's own tool-call syntax is pa
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 
 from ..errors import RequestError
+
+logger = logging.getLogger(__name__)
 
 MAX_TOOLS = 128
 
@@ -67,9 +70,6 @@ def anthropic_tools(value) -> list[dict]:
     for i, tool in enumerate(value):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
             raise RequestError(f"tools[{i}].name must be a non-empty string", "tools")
-        if tool.get("type") not in (None, "custom"):
-            raise RequestError(f"tools[{i}].type = {tool['type']!r}: only client tools "
-                               "(name, input_schema) are supported"[:300], "tools")
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
             raise RequestError(f"tools[{i}].input_schema must be a JSON Schema object", "tools")
@@ -109,7 +109,7 @@ def plan_openai(body: dict) -> OutputPlan:
 
 
 def plan_anthropic(body: dict) -> OutputPlan:
-    tools = anthropic_tools(body.get("tools"))
+    tools = anthropic_tools(_client_tools(body.get("tools")))
     choice = body.get("tool_choice")
     if isinstance(choice, dict):
         kind = choice.get("type")
@@ -127,14 +127,46 @@ def plan_anthropic(body: dict) -> OutputPlan:
     elif choice is not None:
         raise RequestError("'tool_choice' must be an object {'type': ...}", "tool_choice")
     plan = plan_tools(tools, choice, "tool_choice")
-    fmt = body.get("output_format")  # Anthropic's structured outputs: {"type": "json_schema", "schema"}
+    name, fmt = _anthropic_format(body)
     if fmt is not None:
         if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-            raise RequestError("'output_format' must be {'type': 'json_schema', 'schema': {...}}",
-                               "output_format")
+            raise RequestError(f"'{name}' must be {{'type': 'json_schema', 'schema': {{...}}}}",
+                               name.split(".")[0])
         plan.grammar = ("json_schema", fmt["schema"])
     structured_extension(body, plan)
     return plan
+
+
+def _anthropic_format(body: dict) -> tuple[str, object]:
+    """Structured outputs: `output_config.format` (current) or `output_format` (the beta's)."""
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise RequestError("'output_config' must be an object {format, effort}", "output_config")
+    fmt = (config or {}).get("format")
+    if fmt is not None and body.get("output_format") is not None:
+        raise RequestError("give 'output_config.format' or 'output_format', not both", "output_config")
+    return ("output_config.format", fmt) if fmt is not None else ("output_format", body.get("output_format"))
+
+
+def _client_tools(value):
+    """Anthropic's server tools (web_search_*, code_execution_*, bash_*, ...: a `type` and no
+    input_schema) run on Anthropic's side, not here: dropped, so agents that list them by
+    default still work."""
+    if not isinstance(value, list):
+        return value
+    kept = [t for t in value if not _is_server_tool(t)]
+    new = sorted({str(t["type"])[:40] for t in value if _is_server_tool(t)} - _DROPPED_TYPES)
+    if new and len(_DROPPED_TYPES) < MAX_TOOLS:  # once per type: agents send them every request
+        logger.info("Anthropic server tools cannot run here; dropped from requests: %s", ", ".join(new))
+        _DROPPED_TYPES.update(new)
+    return kept
+
+
+def _is_server_tool(tool) -> bool:
+    return isinstance(tool, dict) and "input_schema" not in tool and tool.get("type") not in (None, "custom")
+
+
+_DROPPED_TYPES: set[str] = set()
 
 
 def structured_extension(body: dict, plan: OutputPlan) -> None:
@@ -145,6 +177,23 @@ def structured_extension(body: dict, plan: OutputPlan) -> None:
             raise RequestError("'structured_outputs' cannot be combined with another output format "
                                "or a forced tool call", "structured_outputs")
         plan.grammar = _structured_outputs(extension)
+
+
+def apply_testing(plan: OutputPlan, testing, messages: list[dict]) -> OutputPlan:
+    """The profile's [testing] switches (docs/profiles.md): on the user's turn, a call to one of
+    `force_tool_call` (its arguments still the model's, grammar-bound); after a tool's result,
+    an answer matching `answer_pattern`, so a model that never stops ends its turn."""
+    said = [m["role"] for m in messages if m["role"] != "system"]
+    last = said[-1] if said else None
+    if plan.tool_mode == "auto" and last == "user" and testing.force_tool_call:
+        offered = [_name_of(t) for t in plan.tools]
+        pick = next((n for n in testing.force_tool_call if n in offered),
+                    offered[0] if "*" in testing.force_tool_call else None)
+        if pick is not None:
+            return plan_tools(plan.tools, ("named", pick), "tool_choice")
+    if last == "tool" and testing.answer_pattern and plan.grammar is None and not plan.forced_call:
+        plan.tool_mode, plan.grammar = "none", ("regex", testing.answer_pattern)
+    return plan
 
 
 def plan_tools(tools: list[dict], choice, field_name: str) -> OutputPlan:

@@ -369,6 +369,25 @@ class JsonToolParser(_CallStream):
         return (make_call_id(), item["name"], _dump(args)) if isinstance(args, dict) else None
 
 
+_FORCED_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")', re.S)
+_FORCED_ARGS = re.compile(r'\s*,\s*"arguments"\s*:\s*', re.S)
+
+
+def cut_forced_call(text: str, names: list[str]) -> tuple[str, str] | None:
+    """A forced {"name": …, "arguments": …} cut short (max_tokens) -> (name, the arguments text
+    as far as it got); None while the text still fits several names."""
+    match = _FORCED_NAME.match(text)
+    if match is None:  # the name is unfinished: it is decided once one tool fits
+        fits = [n for n in names if ('{"name":' + json.dumps(n, ensure_ascii=False)).startswith(
+            "".join(text.split()))]
+        return (fits[0], "") if len(fits) == 1 else None
+    name = _loads(match[1])
+    if name not in names:
+        return None
+    args = _FORCED_ARGS.match(text, match.end())
+    return name, text[args.end():] if args else ""
+
+
 PARSERS = {"kimi": KimiToolParser, "glm": GlmToolParser, "json": JsonToolParser}
 
 
