@@ -1,9 +1,15 @@
-"""A real macspec server (aiohttp + engine thread) on a free port, inside the test process."""
+"""A real macspec server on a free port: inside the test process (aiohttp + engine thread), or
+as a `macspec serve` child process."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 from macspec.config import load_profile
 from macspec.engine.engine import Engine
@@ -58,3 +64,40 @@ def runtime_with(profile_name: str = "tiny", **overrides) -> Runtime:
     for key, value in overrides.items():
         profile.override(key.replace("__", "."), value, "test")
     return Runtime.load(profile)
+
+
+def records(home: Path) -> dict[int, dict]:
+    """pid -> record, from <home>/state/servers/*.json."""
+    out = {}
+    for path in (home / "state" / "servers").glob("*.json"):
+        record = json.loads(path.read_text())
+        out[record["pid"]] = record
+    return out
+
+
+class Foreground:
+    """`python -m macspec serve` as a child, as a terminal would run it."""
+
+    def __init__(self, home: Path, *args: str, env: dict | None = None):
+        self.home = home
+        self.log = home.parent / f"fg-{time.time_ns()}.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "macspec", "serve", "--port", "0", *args],
+                                         stdout=out, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            self.record = records(home).get(self.proc.pid)
+            if self.record:
+                self.url = f"http://127.0.0.1:{self.record['port']}"
+                return
+            time.sleep(0.1)
+        self.proc.kill()
+        raise AssertionError(f"not ready: {self.log.read_text()}")
+
+    def wait(self, timeout: float = 20.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()

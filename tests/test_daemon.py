@@ -9,11 +9,12 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 import requests
+
+from .serverutil import Foreground, records
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server/process
 
@@ -23,15 +24,6 @@ KEY = "sk-daemon"
 def macspec(*args, env=None, timeout=300, cwd=None):
     return subprocess.run([sys.executable, "-P", "-m", "macspec", *args], capture_output=True,
                           text=True, env=env, timeout=timeout, cwd=cwd)
-
-
-def records(home: Path) -> dict[int, dict]:
-    """pid -> record, from <home>/state/servers/*.json."""
-    out = {}
-    for path in (home / "state" / "servers").glob("*.json"):
-        record = json.loads(path.read_text())
-        out[record["pid"]] = record
-    return out
 
 
 def wait_gone(pid: int, timeout: float = 15.0) -> None:
@@ -44,34 +36,6 @@ def wait_gone(pid: int, timeout: float = 15.0) -> None:
             return
         time.sleep(0.05)
     assert not psutil.pid_exists(pid), f"pid {pid} still running"
-
-
-class Foreground:
-    """`python -m macspec serve` as a child, as a terminal would run it."""
-
-    def __init__(self, home: Path, *args: str, env: dict | None = None):
-        self.home = home
-        self.log = home.parent / f"fg-{time.time_ns()}.log"
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "macspec", "serve", "--port", "0", *args],
-                                         stdout=out, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()
-            self.record = records(home).get(self.proc.pid)
-            if self.record:
-                self.url = f"http://127.0.0.1:{self.record['port']}"
-                return
-            time.sleep(0.1)
-        self.proc.kill()
-        raise AssertionError(f"not ready: {self.log.read_text()}")
-
-    def wait(self, timeout: float = 20.0) -> int:
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
 
 
 # ---- checks before anything loads ---------------------------------------------------------

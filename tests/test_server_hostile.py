@@ -4,6 +4,8 @@ the first generated token's leading space survives streaming, in the server and 
 from __future__ import annotations
 
 import json
+import select
+import socket
 import time
 
 import pytest
@@ -140,4 +142,40 @@ def test_a_header_over_the_limit_is_a_431_in_json_and_the_server_keeps_serving(s
     resp = requests.get(server.url + "/health", headers={"X-Big": "a" * 100_000}, timeout=30)
     assert resp.status_code == 431
     assert resp.json()["error"]["type"] == "request_header_fields_too_large"
+    assert requests.get(server.url + "/health", timeout=30).status_code == 200
+
+
+def _post_oversized(port: int, size: int, within_s: float = 10.0) -> tuple[bytes, bool]:
+    """POST a `size`-byte body on a keep-alive connection, reading while sending; -> (what came
+    back, whether the server closed the connection within `within_s`)."""
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Connection: keep-alive\r\nContent-Length: {size}\r\n\r\n").encode()
+    reply, sent, chunk = b"", 0, b" " * 65536
+    deadline = time.monotonic() + within_s
+    with socket.create_connection(("127.0.0.1", port), timeout=within_s) as sock:
+        sock.sendall(head)
+        while time.monotonic() < deadline:
+            readable, writable, _ = select.select([sock], [sock] if sent < size else [], [], 0.2)
+            try:
+                if readable:
+                    data = sock.recv(65536)
+                    if not data:
+                        return reply, True
+                    reply += data
+                elif writable:
+                    sent += sock.send(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                if not readable:  # the answer may still wait to be read
+                    sent = size
+                    continue
+                return reply, True
+    return reply, False
+
+
+def test_an_oversized_body_gets_a_413_and_the_connection_closes(server):
+    limit = server.runtime.profile.server.max_body_kb * 1024
+    reply, closed = _post_oversized(server.port, 64 * limit)
+    assert reply.startswith(b"HTTP/1.1 413 "), reply[:200]
+    assert b"Connection: close" in reply and b"too large" in reply, reply[:400]
+    assert closed, "the server kept reading the body instead of closing the connection"
     assert requests.get(server.url + "/health", timeout=30).status_code == 200

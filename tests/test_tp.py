@@ -139,8 +139,10 @@ def test_killed_worker_fails_the_stream_fast(tmp_path, profile):
     worker = server.status()["tensor_parallel"]["worker_pids"][0]
     tail, seconds = _stream_until_error(server.url, worker, signal.SIGKILL)
     assert seconds < 10, seconds
-    assert "tensor parallelism failed" in tail and "rank 1" in tail, tail[-500:]
+    assert "tensor parallelism failed: rank 1 stopped (exit code -9)" in tail, tail[-500:]
+    assert str(tmp_path) not in tail and "rank1.log" not in tail  # the worker's log stays on the server
     _assert_clean_exit(server, children)
+    assert "rank1.log" in server.log.read_text()
 
 
 def test_stuck_worker_hits_the_step_deadline(tmp_path):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
 import pytest
 
 from macspec.config import load_profile
-from macspec.distributed.bootstrap import BootstrapError, group_spec, ssh_command
+from macspec.distributed.bootstrap import BootstrapError, Peers, group_spec, ssh_command
 from macspec.distributed.plan import (BY_NAME, OPS, PlanError, decode_header, decode_ops,
                                       encode_op, encode_plan)
 from macspec.engine.runner import TargetRunner
@@ -72,6 +73,22 @@ def test_worker_refuses_to_start_by_hand():
     out = subprocess.run([sys.executable, "-m", "macspec", "tp-worker", "--rank", "1"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "MACSPEC_TP_GROUP is not set" in out.stderr
+
+
+
+def test_a_dead_worker_is_named_plainly_and_its_log_tail_stays_in_the_server_log(caplog):
+    peers = Peers()
+    log = peers.log_dir / "rank1.log"
+    log.write_text("2026-11-26 07:49:03 INFO loading /Users/me/models/secret\nTraceback: boom\n")
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    proc.wait(30)
+    peers.procs.append((1, "10.0.0.7", proc, log))
+    with caplog.at_level(logging.ERROR, logger="macspec.distributed.bootstrap"):
+        first, again = peers.first_exited(), peers.first_exited()
+    assert first == again == "rank 1 stopped (exit code 3)"  # what clients see: no host, no path
+    [record] = caplog.records  # asked twice (watchdog, engine thread), logged once
+    detail = record.getMessage()
+    assert "10.0.0.7" in detail and str(log) in detail and "/Users/me/models/secret" in detail
 
 
 @pytest.mark.slow

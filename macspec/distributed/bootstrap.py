@@ -146,6 +146,7 @@ class Peers:
 
         self.procs: list[tuple[int, str, subprocess.Popen, Path]] = []
         self.stopping = False
+        self.reported: set[int] = set()  # ranks whose exit is already in the server log
         session = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-"
         self.log_dir = fresh_subdir(state_dir() / "tp-logs", session, KEEP_LOG_DIRS)
 
@@ -175,12 +176,18 @@ class Peers:
         self.procs.append((rank, host, proc, log))
 
     def first_exited(self) -> str | None:
+        """The first worker that exited, in words fit for clients (they see it in their error);
+        its host, log file and last lines go to the server log only, once."""
         if self.stopping:
             return None
         for rank, host, proc, log in self.procs:
             code = proc.poll()
             if code is not None:
-                return f"rank {rank} on {host} exited with code {code}{log_tail(log)}"
+                if rank not in self.reported:  # the watchdog and the engine thread both ask
+                    self.reported.add(rank)
+                    logger.error("rank %d on %s exited with code %d (log %s)%s", rank, host, code, log,
+                                 log_tail(log))
+                return f"rank {rank} stopped (exit code {code})"
         return None
 
     def first_exited_after_stop(self) -> str | None:

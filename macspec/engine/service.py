@@ -137,12 +137,13 @@ class EngineService:
             else "the server is shutting down"))
 
     def _explain_tp_failure(self, exc: Exception) -> str:
-        """A lost link usually means a dead peer: name it (and its exit code) when one exits."""
+        """A lost link usually means a dead peer: name it (and its exit code) when one exits;
+        the link's own error is in the server log (the caller logs it), not in the clients'."""
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
             exited = self.engine.tp.peers.first_exited()
             if exited:
-                return f"{exited} ({exc})"
+                return exited
             time.sleep(0.05)
         return str(exc)
 

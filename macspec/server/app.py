@@ -26,7 +26,8 @@ from .state import REQUEST_ID, STARTED, STATE, USAGE, ServerState, error_body
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("macspec.access")
 
-OPEN_PATHS = ("/health",)  # supervisors probe health without the key
+# Supervisors probe health without the key; Claude Code probes `HEAD /api/hello` at start.
+OPEN_PATHS = ("/health", "/api/hello")
 RETRY_AFTER_S = "1"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 JSON_TYPE = "application/json"
@@ -43,6 +44,16 @@ def _error(request: web.Request, status: int, message: str, error_type: str,
            param: str | None = None, headers: dict | None = None) -> web.Response:
     body = error_body(status, message, error_type, param, _anthropic(request))
     return web.json_response(body, status=status, headers=headers)
+
+
+async def _send_and_close(request: web.Request, response: web.Response) -> web.Response:
+    """Answer, then close the connection at once: aiohttp would otherwise keep reading (and
+    discarding) the unread rest of the body for its lingering time before closing."""
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    request.protocol.force_close()
+    return response
 
 
 def _printable(text: str, limit: int = 200) -> str:
@@ -76,6 +87,7 @@ async def access_log(request: web.Request, handler):
             usage = request.get(USAGE) or request.get("macspec_usage") or {}
             if not isinstance(usage, dict):
                 usage = {}
+            status = usage.get("status", status)  # a stream the client left: 499, not its 200
 
             def field(key: str, fmt: str = "{}") -> str:
                 value = usage.get(key)
@@ -145,8 +157,7 @@ def request_guard(allowed_hosts: frozenset[str] | None, body_timeout_s: float):
             except asyncio.TimeoutError:
                 response = _error(request, 408, f"the request body did not arrive within "
                                   f"{body_timeout_s:g} s", "request_timeout")
-                response.force_close()
-                return response
+                return await _send_and_close(request, response)
         return await handler(request)
 
     return guard
@@ -166,7 +177,10 @@ async def errors_as_json(request: web.Request, handler):
             raise
         message = {413: "the request body is too large", 404: f"no route {request.path}",
                    405: f"{request.method} is not allowed on {request.path}"}.get(exc.status, exc.reason)
-        return _error(request, exc.status, message, exc.reason.lower().replace(" ", "_"))
+        response = _error(request, exc.status, message, exc.reason.lower().replace(" ", "_"))
+        if exc.status == 413:  # the rest of the body is not worth reading
+            return await _send_and_close(request, response)
+        return response
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception as exc:  # a bug: log it, answer 500, keep serving
@@ -242,6 +256,7 @@ def create_app(engine: EngineService, profile: Profile, api_key: str | None = No
     app.router.add_post("/v1/messages/count_tokens", anthropic_api.count_tokens)
     responses_api.add_routes(app, server.responses_store)
     app.router.add_get("/health", health)
+    app.router.add_get("/api/hello", health)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/metrics", metrics)
 

@@ -15,7 +15,7 @@ from ..config import Profile
 from ..engine.service import EngineService
 from ..errors import MacspecError, NotFoundError, RequestError
 from ..grammar import GrammarCompiler
-from .jobs import ClientGone, Job
+from .jobs import ClientGone
 from .reasoning import opens_in_reasoning
 from .tool_prompt import TemplateTools, probe_template, with_tool_prompt
 from .toolcalls import detect_format
@@ -27,6 +27,8 @@ ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_erro
                          403: "permission_error", 404: "not_found_error", 408: "timeout_error",
                          413: "request_too_large", 415: "invalid_request_error",
                          429: "rate_limit_error", 503: "overloaded_error"}
+KEEPALIVE_S = 5.0  # an SSE comment this often while no event is ready (prefill, held-back text)
+KEEPALIVE = b": keep-alive\n\n"
 DEFAULT_MODEL = "default"  # always accepted as `model`: whatever this server serves
 # 400s whose error_type is an OpenAI error `code` that clients act on (Codex compacts its
 # history on context_length_exceeded); their `type` stays invalid_request_error.
@@ -153,15 +155,19 @@ class ServerState:
         await response.prepare(request)
         return response
 
-    async def stream_events(self, response: web.StreamResponse, job: Job, events, encode,
+    async def stream_events(self, response: web.StreamResponse, group, events, encode,
                             done: str | None = None, anthropic: bool = False) -> None:
         """Write events until the end; a failure mid-stream becomes an error event (the status
-        line is already sent), a vanished client cancels the job."""
+        line is already sent), a vanished client cancels the jobs and is logged as 499. While
+        no event comes (a long prefill) a comment line goes out every KEEPALIVE_S, so clients'
+        idle timeouts do not fire."""
+        stream = keepalive(events, KEEPALIVE_S)
         try:
-            async for event in events:
-                await response.write(encode(event).encode())
+            async for event in stream:
+                await response.write(KEEPALIVE if event is None else encode(event).encode())
         except (ConnectionResetError, ClientGone):
-            job.close()
+            group.close()
+            group.jobs[0].usage["status"] = ClientGone.http_status  # the access log's status
             return
         except MacspecError as err:
             body = error_body(err.http_status, str(err), err.error_type, err.param, anthropic)
@@ -171,13 +177,36 @@ class ServerState:
             except ConnectionResetError:
                 return
         finally:
-            job.close()
+            await stream.aclose()
+            group.close()
         try:
             if done:
                 await response.write(done.encode())
             await response.write_eof()
         except ConnectionResetError:
             pass
+
+
+async def keepalive(events, interval: float):
+    """The items of `events`, with None each time `interval` seconds pass without one."""
+    pending = asyncio.ensure_future(events.__anext__())
+    try:
+        while True:
+            finished, _ = await asyncio.wait({pending}, timeout=interval)
+            if not finished:
+                yield None
+                continue
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            yield item
+            pending = asyncio.ensure_future(events.__anext__())
+    finally:
+        if not pending.done():  # the consumer stopped early: end the pending step first
+            pending.cancel()
+            await asyncio.wait({pending})
+        await events.aclose()
 
 
 def _transcript_content(message: dict) -> str:
