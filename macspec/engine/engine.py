@@ -184,7 +184,7 @@ class Engine(BlockingAPI):
         self.speculator.observe_step(seqs, ks, tokens.shape[1], marks[3] - marks[0], marks[4] - marks[3])
         for index in reversed(range(len(seqs))):
             if seqs[index].finished:
-                self._close(self.scheduler.remove_row(index, keep_prefix=True))
+                self._close(self.scheduler.remove_row(index))
         self.stats.step_done(len(seqs), marks + [time.perf_counter()])
 
     def _commit_step(self, seqs: list[Sequence], ks: list[int], read: list[list[int]], hidden: mx.array,

@@ -58,24 +58,26 @@ class Scheduler:
             seq = self.waiting.popleft()
             self.memory.reserved += seq.kv_need  # held until the sequence leaves (_release)
             seq.kv_held = seq.kv_need
-            reused, entry = self._lookup(seq)
-            self.runner.open_slot(seq.request.id, NO_ENTRY if entry is None else entry, reused)
-            seq.prefill_done = seq.reused_prefix = reused
+            self._seat(seq, *self._lookup(seq))
             self.prefilling.append(seq)
+
+    def _seat(self, seq: Sequence, reused: int, entry: int | None) -> None:
+        """Open `seq`'s slot on the first `reused` positions of `entry` (None: from scratch)."""
+        self.runner.open_slot(seq.request.id, NO_ENTRY if entry is None else entry, reused)
+        seq.prefill_done = seq.reused_prefix = reused
+        # a head reading the target's states (MTP) starts from the entry's
+        seq.states = [self.prefix_states[entry][:reused]] if entry is not None and _needs_states(seq) else []
 
     def _lookup(self, seq: Sequence) -> tuple[int, int | None]:
         """The longest cached prefix `seq` can use: a row whose head reads the target's states
-        (MTP) only as far as its entry kept them, and it starts from them."""
+        (MTP) only as far as its entry kept them."""
         self._load_from_disk(seq.prompt)
         if not _needs_states(seq):
             return self.prefix_cache.lookup(seq.prompt)
         width = self.runner.states_width  # entries kept before layers were tapped are narrower
         kept = lambda entry: (len(self.prefix_states[entry]) if entry in self.prefix_states  # noqa: E731
                               and self.prefix_states[entry].shape[-1] == width else 0)
-        reused, entry = self.prefix_cache.lookup(seq.prompt, usable=kept)
-        if entry is not None:
-            seq.states = [self.prefix_states[entry][:reused]]
-        return reused, entry
+        return self.prefix_cache.lookup(seq.prompt, usable=kept)
 
     def _memory_for(self, seq: Sequence) -> bool:
         """Room for `seq`'s KV? Under pressure, finished requests' prefixes go first, then MLX's
@@ -116,45 +118,66 @@ class Scheduler:
     def _share_with_siblings(self, seq: Sequence) -> None:
         """Requests waiting to prefill the same prompt (the n choices of one request, or clients
         sending the same prompt at once) start from this one's KV instead of computing it again."""
-        siblings = [s for s in self.prefilling if s.prompt == seq.prompt and not _needs_states(s)
-                    and s.prefill_done == s.reused_prefix < len(s.prompt) - 1]
+        # the entry has no states: a head reading them (MTP) could not start from it
+        siblings = [s for s in self._unstarted() if s.prompt == seq.prompt and not _needs_states(s)]
         if not siblings:
             return
         slot = seq.request.id
         entry = self._store_prefix(seq.prompt, self.runner.slot_nbytes(slot, len(seq.prompt)))
         if entry != NO_ENTRY:  # else already stored, or too large for the cache
             self.runner.share_slot_prefix(slot, entry, len(seq.prompt))
-        for sibling in siblings:
-            reused, found = self.prefix_cache.lookup(sibling.prompt)
-            if found is not None and reused > sibling.prefill_done:
-                self.runner.open_slot(sibling.request.id, found, reused)
-                sibling.prefill_done = sibling.reused_prefix = reused
+        self._reseat(siblings)
 
-    def remove_row(self, index: int, keep_prefix: bool) -> Sequence:
+    def _unstarted(self) -> list[Sequence]:
+        """Prefilling requests that computed nothing yet (a newer entry may serve them)."""
+        return [s for s in self.prefilling if s.prefill_done == s.reused_prefix < len(s.prompt) - 1]
+
+    def _reseat(self, seqs: list[Sequence]) -> None:
+        """Restart these unstarted prefills from the longest cached prefix, when it is longer."""
+        for seq in seqs:
+            reused, entry = self._lookup(seq)
+            if entry is not None and reused > seq.prefill_done:
+                self._seat(seq, reused, entry)
+
+    def remove_row(self, index: int) -> Sequence:
+        """Finished or cancelled: its KV (prompt and answer) may serve a later prompt's prefix."""
         seq = self.running.pop(index)
-        entry, length = NO_ENTRY, 0
-        if keep_prefix:  # finished normally: its KV may serve a later prompt's prefix
-            length = self.runner.kv.lengths[index]
-            entry = self._store_prefix(seq.committed[:length], self.runner.row_nbytes(length),
-                                       _states(seq, length))
+        length = self.runner.kv.lengths[index]  # the last committed token has no KV yet
+        entry = self._store_prefix(seq.committed[:length], self.runner.row_nbytes(length),
+                                   _states(seq, length))
         self.runner.remove_row(index, entry, length)
         self._release(seq)
         return seq
 
     def remove(self, request_id: int) -> list[Sequence]:
-        """Take a request out wherever it is (cancel); -> the sequences removed."""
-        removed = []
-        for seq in [s for s in self.waiting if s.request.id == request_id]:
+        """Take a request out wherever it is (cancel); -> the sequences removed. What it
+        prefilled or generated stays in the prefix cache, so a retry resumes from there."""
+        removed = [s for s in self.waiting if s.request.id == request_id]
+        for seq in removed:
             self.waiting.remove(seq)
-            removed.append(seq)
         for seq in [s for s in self.prefilling if s.request.id == request_id]:
             self.prefilling.remove(seq)
-            self.runner.close_slot(request_id, NO_ENTRY, 0)
-            self._release(seq)
+            self._close_cancelled_slot(seq)
             removed.append(seq)
         for index in reversed([i for i, s in enumerate(self.running) if s.request.id == request_id]):
-            removed.append(self.remove_row(index, keep_prefix=False))
+            removed.append(self.remove_row(index))
         return removed
+
+    def _close_cancelled_slot(self, seq: Sequence) -> None:
+        """Keep the prompt chunks whose forward completed (prefill runs whole chunks within a
+        step, cancel comes between steps); requests queued behind it with that prefix start there."""
+        slot, tokens = seq.request.id, seq.prompt[:seq.prefill_done]
+        entry, states = NO_ENTRY, _states(seq, len(tokens), seq.hidden_chunks)
+        if len(tokens) > seq.reused_prefix and (states is not None or not self._is_cached(tokens)):
+            entry = self._store_prefix(tokens, self.runner.slot_nbytes(slot, len(tokens)), states)
+        self.runner.close_slot(slot, entry, len(tokens))
+        self._release(seq)
+        if entry != NO_ENTRY:
+            self._reseat([s for s in self._unstarted() if s.prompt[:len(tokens)] == tokens])
+
+    def _is_cached(self, tokens: list[int]) -> bool:
+        """Covered by a stored entry already: a copy would only take memory."""
+        return self.prefix_cache.tree.longest_match(tokens)[0] >= len(tokens)
 
     def drop_prefilling(self, seq: Sequence) -> None:
         """A prefill failed: forget its slot; the batch rows are untouched."""
@@ -251,9 +274,11 @@ def _needs_states(seq: Sequence) -> bool:
     return seq.proposer is not None and seq.proposer.needs_hidden
 
 
-def _states(seq: Sequence, length: int) -> mx.array | None:
-    """The target's states for `seq`'s first `length` positions, when it kept them all."""
-    if not _needs_states(seq) or not seq.states:
+def _states(seq: Sequence, length: int, computing: list[mx.array] = ()) -> mx.array | None:
+    """The target's states for `seq`'s first `length` positions, when it kept them all
+    (`computing`: the chunks a prefill computed after its reused prefix)."""
+    blocks = seq.states + list(computing)
+    if not _needs_states(seq) or not blocks:
         return None
-    states = join_states(seq.states)
+    states = join_states(blocks)
     return states[:length] if states.shape[0] >= length else None
