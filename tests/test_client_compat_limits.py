@@ -13,7 +13,7 @@ import requests
 
 from macspec.config import profile_from_dict
 from macspec.errors import ProfileError
-from macspec.server.anthropic_api import leading_system
+from macspec.server.respond import leading_system
 
 from .serverutil import RunningServer, runtime_with
 

@@ -14,11 +14,11 @@ import uuid
 from aiohttp import web
 
 from ..errors import RequestError
-from .choices import start_response
-from .output import ChatOutput, collect
-from .schema import build_job, get_bool, get_int, get_stop, parse_json_body
+from .output import collect
+from .respond import Call, Reply, Usage, prepare, respond
+from .schema import get_bool, get_int, get_stop, parse_json_body
 from .state import STATE, ServerState
-from .structured import apply_testing, plan_anthropic
+from .structured import plan_anthropic
 
 logger = logging.getLogger(__name__)
 
@@ -142,30 +142,6 @@ def _check_unsupported(body: dict) -> None:
                            "servers (give their tools as client tools)", "mcp_servers")
 
 
-async def _prompt(state: ServerState, body: dict, messages: list[dict], tools) -> tuple[list[int], bool]:
-    args = _thinking_args(body)
-
-    def render():
-        try:
-            return state.render_chat(messages, tools, **args)
-        except RequestError:
-            merged = leading_system(messages)
-            if merged == messages:
-                raise
-            # Templates such as Gemma's or Mistral's take one system message, first.
-            logger.debug("the chat template refused system messages after the first; merged")
-            return state.render_chat(merged, tools, **args)
-
-    return await state.off_loop(render)
-
-
-def leading_system(messages: list[dict]) -> list[dict]:
-    """All system messages merged, in order, into one leading system message."""
-    system = [m["content"] for m in messages if m["role"] == "system"]
-    rest = [m for m in messages if m["role"] != "system"]
-    return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + rest
-
-
 def stop_reason(result, called: bool) -> str:
     if result.stop_sequence is not None:
         return "stop_sequence"
@@ -174,35 +150,34 @@ def stop_reason(result, called: bool) -> str:
     return "tool_use" if called else "end_turn"
 
 
+def _call(state: ServerState, body: dict) -> Call:
+    _check_unsupported(body)
+    return Call(state.check_model(body.get("model")), body, plan_anthropic(body),
+                messages=conversation(body), template_args=_thinking_args(body),
+                stop=get_stop(body, "stop_sequences"), stream=get_bool(body, "stream", False),
+                temperature_max=1.0)
+
+
 async def count_tokens(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE]
-    body = parse_json_body(await request.read())
-    state.check_model(body.get("model"))
-    _check_unsupported(body)
-    plan = plan_anthropic(body)
-    prompt, _ = await _prompt(state, body, conversation(body), plan.tools)
+    prompt, _ = await prepare(state, _call(state, parse_json_body(await request.read())))
     return web.json_response({"input_tokens": len(prompt)})
 
 
-async def messages(request: web.Request) -> web.StreamResponse:
-    state: ServerState = request.app[STATE]
-    body = parse_json_body(await request.read())
-    model = state.check_model(body.get("model"))
-    max_tokens = get_int(body, "max_tokens", None, lo=1)
-    if max_tokens is None:
-        raise RequestError("'max_tokens' is required", "max_tokens")
-    stream = get_bool(body, "stream", False)
-    _check_unsupported(body)
-    talk = conversation(body)
-    plan = apply_testing(plan_anthropic(body), state.profile.testing, talk)
-    prompt, in_reasoning = await _prompt(state, body, talk, plan.tools)
-    spec = build_job(body, prompt, max_tokens, get_stop(body, "stop_sequences"), state.profile,
-                     temperature_max=1.0, vocab=state.runtime.vocab_size, anthropic=True)
-    group = await start_response(request, state, spec, plan.grammar)
-    job = group.jobs[0]
-    output = ChatOutput(plan, state.tool_format, state.parses_reasoning, in_reasoning)
-    ident = "msg_" + uuid.uuid4().hex[:24]
-    if not stream:
+class MessagesCodec:
+    anthropic = True
+    done = None
+
+    async def parse(self, request, state: ServerState, body: dict) -> Call:
+        call = _call(state, body)
+        call.max_tokens = get_int(body, "max_tokens", None, lo=1)
+        if call.max_tokens is None:
+            raise RequestError("'max_tokens' is required", "max_tokens")
+        self.ident = "msg_" + uuid.uuid4().hex[:24]
+        return call
+
+    async def whole(self, reply: Reply) -> dict:
+        output, job = reply.output(), reply.job
         text = "".join([piece async for piece in job.deltas()])
         got = collect(output.feed(text) + output.finish())
         content = []
@@ -212,47 +187,42 @@ async def messages(request: web.Request) -> web.StreamResponse:
             content.append({"type": "text", "text": got.content})
         content += [{"type": "tool_use", "id": _tool_use_id(c.id), "name": c.name,
                      "input": _input(c.arguments)} for c in got.calls]
-        return web.json_response({
-            "id": ident, "type": "message", "role": "assistant", "model": model,
-            "content": content, "stop_reason": stop_reason(job.result, bool(got.calls)),
-            "stop_sequence": job.result.stop_sequence,
-            "usage": _usage(job, len(prompt)),
-        })
-    response = await state.open_sse(request)
+        return {"id": self.ident, "type": "message", "role": "assistant", "model": reply.call.model,
+                "content": content, "stop_reason": stop_reason(job.result, bool(got.calls)),
+                "stop_sequence": job.result.stop_sequence, "usage": _usage(reply.usage())}
 
-    async def events():
+    async def events(self, reply: Reply):
+        output, job = reply.output(), reply.job
         yield "message_start", {"type": "message_start", "message": {
-            "id": ident, "type": "message", "role": "assistant", "model": model,
+            "id": self.ident, "type": "message", "role": "assistant", "model": reply.call.model,
             "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": len(prompt), "output_tokens": 0}}}
+            "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": 0}}}
         yield "ping", {"type": "ping"}
         blocks = _BlockStream()
         async for piece in job.deltas():
             for event in blocks.parts(output.feed(piece)):
                 yield event
-        for event in blocks.parts(output.finish()):
-            yield event
-        for event in blocks.end():
+        for event in [*blocks.parts(output.finish()), *blocks.end()]:
             yield event
         yield "message_delta", {"type": "message_delta",
                                 "delta": {"stop_reason": stop_reason(job.result, blocks.called),
                                           "stop_sequence": job.result.stop_sequence},
-                                "usage": _usage(job, len(prompt))}
+                                "usage": _usage(reply.usage())}
         yield "message_stop", {"type": "message_stop"}
 
-    def encode(item) -> str:
+    def encode(self, item) -> str:
         name, data = item
         return f"event: {name}\ndata: {json.dumps(data)}\n\n"
 
-    await state.stream_events(response, group, events(), encode, anthropic=True)
-    return response
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    return await respond(request, MessagesCodec())
 
 
-def _usage(job, prompt_tokens: int) -> dict:
+def _usage(usage: Usage) -> dict:
     """Anthropic counts cache reads apart: input_tokens + cache_read_input_tokens = the prompt."""
-    cached = job.result.stats.get("cached_prompt_tokens", 0)
-    return {"input_tokens": prompt_tokens - cached, "cache_read_input_tokens": cached,
-            "cache_creation_input_tokens": 0, "output_tokens": job.result.completion_tokens}
+    return {"input_tokens": usage.prompt - usage.cached, "cache_read_input_tokens": usage.cached,
+            "cache_creation_input_tokens": 0, "output_tokens": usage.completion}
 
 
 class _BlockStream:

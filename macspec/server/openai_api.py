@@ -14,12 +14,13 @@ import uuid
 from aiohttp import web
 
 from ..errors import RequestError
-from .choices import choice_specs, interleave, start_jobs
+from .choices import interleave
 from .jobs import Job, JobResult
-from .output import ChatOutput, collect
-from .schema import (build_job, get_bool, get_int, get_stop, parse_json_body, reject_unsupported)
-from .state import STATE, USAGE, ServerState
-from .structured import OutputPlan, apply_testing, plan_openai
+from .output import collect
+from .respond import Call, Reply, Usage, respond
+from .schema import get_bool, get_int, get_stop, reject_unsupported
+from .state import STATE, ServerState
+from .structured import plan_openai
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None}
@@ -105,19 +106,21 @@ def completion_prompt(body: dict, tokenizer) -> list[int]:
                        "prompt")
 
 
-def _common(body: dict, state: ServerState):
-    model = state.check_model(body.get("model"))
+def _common(body: dict, state: ServerState, **fields) -> Call:
     reject_unsupported(body, UNSUPPORTED)
     stream = get_bool(body, "stream", False)
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise RequestError("'stream_options' must be an object", "stream_options")
-    include_usage = stream and get_bool(options or {}, "include_usage", False)
     max_tokens = get_int(body, "max_completion_tokens", None, lo=1)
     if max_tokens is None:
         max_tokens = get_int(body, "max_tokens", None, lo=1)
-    n = get_int(body, "n", 1, lo=1, hi=MAX_CHOICES)
-    return model, stream, include_usage, max_tokens, get_stop(body, "stop"), n
+    return Call(state.check_model(body.get("model")), body, max_tokens=max_tokens, stream=stream,
+                stop=get_stop(body, "stop"), n=get_int(body, "n", 1, lo=1, hi=MAX_CHOICES), **fields)
+
+
+def _include_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise RequestError("'stream_options' must be an object", "stream_options")
+    return get_bool(options or {}, "include_usage", False)
 
 
 def _chat_logprobs(body: dict) -> int | None:
@@ -129,83 +132,66 @@ def _chat_logprobs(body: dict) -> int | None:
     return top or 0
 
 
-async def _specs(state: ServerState, body: dict, prompt: list[int], max_tokens, stop, n: int,
-                 plan: OutputPlan, logprobs: int | None):
-    spec = build_job(body, prompt, max_tokens, stop, state.profile, vocab=state.runtime.vocab_size,
-                     logprobs=logprobs)
-    make = None
-    if plan.grammar is not None:
-        grammar = await state.off_loop(state.compile_grammar, *plan.grammar)
-        make = lambda: state.grammar.constraint(grammar)  # noqa: E731 - one matcher per choice
-    return choice_specs(spec, n, make)
+class ChatCodec:
+    """chat/completions; CompletionsCodec below shares its shape for the legacy text route."""
+    anthropic = False
+    done = "data: [DONE]\n\n"
+    prefix, whole_kind, chunk_kind = "chatcmpl-", "chat.completion", "chat.completion.chunk"
+
+    async def parse(self, request, state: ServerState, body: dict) -> Call:
+        return self._begin(body, _common(body, state, plan=plan_openai(body),
+                                         messages=chat_messages(body), logprobs=_chat_logprobs(body)))
+
+    def _begin(self, body: dict, call: Call) -> Call:
+        self.include_usage = _include_usage(body)
+        self.head = {"id": self.prefix + uuid.uuid4().hex[:24], "created": int(time.time()),
+                     "model": call.model}
+        return call
+
+    async def whole(self, reply: Reply) -> dict:
+        choices = [await _whole_choice(reply, job, i) for i, job in enumerate(reply.group.jobs)]
+        return {**self.head, "object": self.whole_kind, "choices": choices,
+                "usage": _usage(reply.usage()), "macspec": reply.job.result.stats}
+
+    async def events(self, reply: Reply):
+        head = {**self.head, "object": self.chunk_kind}
+        streams = [_choice_chunks(reply, job, i) for i, job in enumerate(reply.group.jobs)]
+        async for choice in interleave(streams):
+            yield {**head, "choices": [choice]}
+        if self.include_usage:
+            yield {**head, "choices": [], "usage": _usage(reply.usage())}
+
+    def encode(self, event: dict) -> str:
+        return f"data: {json.dumps(event)}\n\n"
+
+
+class CompletionsCodec(ChatCodec):
+    prefix, whole_kind, chunk_kind = "cmpl-", "text_completion", "text_completion"
+
+    async def parse(self, request, state: ServerState, body: dict) -> Call:
+        reject_unsupported(body, {"tools": [], "tool_choice": None})
+        logprobs = get_int(body, "logprobs", None, lo=0, hi=MAX_LEGACY_LOGPROBS)
+        call = _common(body, state, plan=plan_openai(body), logprobs=logprobs)
+        call.prompt = await state.off_loop(completion_prompt, body, state.tokenizer)
+        return self._begin(body, call)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state: ServerState = request.app[STATE]
-    body = parse_json_body(await request.read())
-    model, stream, include_usage, max_tokens, stop, n = _common(body, state)
-    plan = plan_openai(body)
-    logprobs = _chat_logprobs(body)
-    messages = chat_messages(body)
-    plan = apply_testing(plan, state.profile.testing, messages)
-    prompt, in_reasoning = await state.off_loop(state.render_chat, messages, plan.tools)
-    specs = await _specs(state, body, prompt, max_tokens, stop, n, plan, logprobs)
-
-    def shaper():
-        return ChatOutput(plan, state.tool_format, state.parses_reasoning, in_reasoning)
-
-    return await _respond(request, state, model, specs, stream, include_usage, shaper)
+    return await respond(request, ChatCodec())
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    state: ServerState = request.app[STATE]
-    body = parse_json_body(await request.read())
-    model, stream, include_usage, max_tokens, stop, n = _common(body, state)
-    reject_unsupported(body, {"tools": [], "tool_choice": None})
-    plan = plan_openai(body)
-    logprobs = get_int(body, "logprobs", None, lo=0, hi=MAX_LEGACY_LOGPROBS)
-    prompt = await state.off_loop(completion_prompt, body, state.tokenizer)
-    specs = await _specs(state, body, prompt, max_tokens, stop, n, plan, logprobs)
-    return await _respond(request, state, model, specs, stream, include_usage, None)
+    return await respond(request, CompletionsCodec())
 
 
-async def _respond(request, state: ServerState, model: str, specs, stream: bool,
-                   include_usage: bool, shaper):
-    """`shaper` makes a ChatOutput per choice (chat), or is None (text completions)."""
-    group = await start_jobs(state, specs, lambda: _gone(request))
-    request[USAGE] = group.jobs[0].usage
-    chat = shaper is not None
-    ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    head = {"id": ident, "created": int(time.time()), "model": model}
-    prompt_tokens = len(specs[0].prompt)
-    if not stream:
-        choices = [await _whole_choice(state, job, i, shaper) for i, job in enumerate(group.jobs)]
-        return web.json_response({**head, "object": "chat.completion" if chat else "text_completion",
-                                  "choices": choices, "usage": _usage(group, prompt_tokens),
-                                  "macspec": group.jobs[0].result.stats})
-    response = await state.open_sse(request)
-    kind = "chat.completion.chunk" if chat else "text_completion"
-
-    async def events():
-        streams = [_choice_chunks(state, job, i, shaper() if chat else None)
-                   for i, job in enumerate(group.jobs)]
-        async for choice in interleave(streams):
-            yield {**head, "object": kind, "choices": [choice]}
-        if include_usage:
-            yield {**head, "object": kind, "choices": [], "usage": _usage(group, prompt_tokens)}
-
-    await state.stream_events(response, group, events(), lambda e: f"data: {json.dumps(e)}\n\n",
-                              done="data: [DONE]\n\n")
-    return response
-
-
-async def _whole_choice(state: ServerState, job: Job, index: int, shaper) -> dict:
+async def _whole_choice(reply: Reply, job: Job, index: int) -> dict:
+    state = reply.state
     text = "".join([piece async for piece in job.deltas()])
     logprobs = job.take_logprobs() if job.spec.logprobs is not None else None
-    if shaper is None:
+    if reply.call.messages is None:  # a text completion
         return {"index": index, "text": text, "finish_reason": finish_reason(job.result),
                 "logprobs": None if logprobs is None else _legacy_logprobs(state, logprobs, 0)}
-    output = shaper()
+    output = reply.output()
     got = collect(output.feed(text) + output.finish())
     message = {"role": "assistant", "content": got.content if got.content or not got.calls else None}
     if got.reasoning:
@@ -219,8 +205,10 @@ async def _whole_choice(state: ServerState, job: Job, index: int, shaper) -> dic
             "finish_reason": finish_reason(job.result, bool(got.calls))}
 
 
-async def _choice_chunks(state: ServerState, job: Job, index: int, output: ChatOutput | None):
+async def _choice_chunks(reply: Reply, job: Job, index: int):
     """One choice's stream: its `choices` entries, first to last."""
+    state = reply.state
+    output = reply.output() if reply.call.messages is not None else None
     wants_logprobs = job.spec.logprobs is not None
     offset = 0  # text_offset of the legacy logprobs
 
@@ -303,17 +291,10 @@ def finish_reason(result: JobResult, called: bool = False) -> str:
     return "tool_calls" if called else "stop"
 
 
-def _usage(group, prompt_tokens: int) -> dict:
-    completion = group.completion_tokens
-    cached = group.jobs[0].result.stats.get("cached_prompt_tokens", 0)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def _gone(request: web.Request) -> bool:
-    transport = request.transport
-    return transport is None or transport.is_closing()
+def _usage(usage: Usage) -> dict:
+    return {"prompt_tokens": usage.prompt, "completion_tokens": usage.completion,
+            "total_tokens": usage.prompt + usage.completion,
+            "prompt_tokens_details": {"cached_tokens": usage.cached}}
 
 
 async def models(request: web.Request) -> web.Response:

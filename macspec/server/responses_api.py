@@ -16,14 +16,12 @@ from collections import OrderedDict
 from aiohttp import web
 
 from ..errors import MacspecError, NotFoundError, RequestError
-from .choices import start_response
 from .jobs import ClientGone
-from .output import ChatOutput
+from .respond import Call, Reply, Usage, respond
 from .responses_input import input_messages, normalise_input, plan_responses, thinking_args
 from .responses_output import ItemBuilder, new_id, output_items_as_input
-from .schema import build_job, get_bool, get_int, get_str, parse_json_body, reject_unsupported
-from .state import STATE, ServerState
-from .structured import apply_testing
+from .schema import get_bool, get_int, get_str, reject_unsupported
+from .state import ServerState
 
 UNSUPPORTED = {"background": False, "conversation": None, "prompt": None, "top_logprobs": 0}
 ECHOED = ("instructions", "metadata", "parallel_tool_calls", "temperature", "top_p",
@@ -78,100 +76,93 @@ def _messages(body: dict, items: list, tools) -> list[dict]:
     return messages
 
 
-def _shell(body: dict, state: ServerState, ident: str, status: str, warnings: list[str]) -> dict:
+def _shell(body: dict, model: str, ident: str, status: str, warnings: list[str]) -> dict:
     echo = {key: body.get(key) for key in ECHOED}
     echo["parallel_tool_calls"] = body.get("parallel_tool_calls", True)
     echo["tool_choice"] = body.get("tool_choice") or "auto"
     echo["tools"] = body.get("tools") or []
     return {"id": ident, "object": "response", "created_at": int(time.time()), "status": status,
-            "model": state.check_model(body.get("model")), "output": [], "error": None, "incomplete_details": None,
+            "model": model, "output": [], "error": None, "incomplete_details": None,
             "usage": None, "store": body.get("store", True), **echo,
             **({"warnings": warnings} if warnings else {})}
 
 
-def _finish(shell: dict, job, builder: ItemBuilder, prompt_tokens: int) -> dict:
+def _finish(shell: dict, job, builder: ItemBuilder, usage: Usage) -> dict:
     incomplete = job.result.finish_reason == "length"
-    output_tokens = job.result.completion_tokens
-    cached = job.result.stats.get("cached_prompt_tokens", 0)
     return {**shell, "status": "incomplete" if incomplete else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "output": builder.items, "macspec": job.result.stats,
-            "usage": {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
-                      "output_tokens": output_tokens,
+            "usage": {"input_tokens": usage.prompt, "input_tokens_details": {"cached_tokens": usage.cached},
+                      "output_tokens": usage.completion,
                       "output_tokens_details": {"reasoning_tokens": 0},
-                      "total_tokens": prompt_tokens + output_tokens}}
+                      "total_tokens": usage.prompt + usage.completion}}
 
 
-async def create(request: web.Request) -> web.StreamResponse:
-    state: ServerState = request.app[STATE]
-    body = parse_json_body(await request.read())
-    state.check_model(body.get("model"))
-    reject_unsupported(body, UNSUPPORTED)
-    stream, store = get_bool(body, "stream", False), get_bool(body, "store", True)
-    plan, tools = plan_responses(body)
-    items = _history(request, body)
-    messages = _messages(body, items, tools)
-    plan = apply_testing(plan, state.profile.testing, messages)
-    prompt, in_reasoning = await state.off_loop(
-        lambda: state.render_chat(messages, plan.tools, **thinking_args(body)))
-    spec = build_job(body, prompt, get_int(body, "max_output_tokens", None, lo=1), [], state.profile,
-                     vocab=state.runtime.vocab_size)
-    group = await start_response(request, state, spec, plan.grammar)
-    job = group.jobs[0]
-    output = ChatOutput(plan, state.tool_format, state.parses_reasoning, in_reasoning)
-    builder = ItemBuilder(tools, raw_custom=plan.tool_mode == "named" and plan.forced in tools.custom)
-    shell = _shell(body, state, new_id("resp"), "in_progress", tools.warnings())
+class ResponsesCodec:
+    anthropic = False
+    done = None
 
-    def save(response: dict) -> None:
-        if store:
-            request.app[STORE].put(response, items)
+    async def parse(self, request, state: ServerState, body: dict) -> Call:
+        model = state.check_model(body.get("model"))
+        reject_unsupported(body, UNSUPPORTED)
+        self.store = request.app[STORE] if get_bool(body, "store", True) else None
+        plan, self.tools = plan_responses(body)
+        self.items = _history(request, body)
+        self.shell = _shell(body, model, new_id("resp"), "in_progress", self.tools.warnings())
+        return Call(model, body, plan, messages=_messages(body, self.items, self.tools),
+                    template_args=thinking_args(body), stream=get_bool(body, "stream", False),
+                    max_tokens=get_int(body, "max_output_tokens", None, lo=1))
 
-    if not stream:
-        async for piece in job.deltas():
+    def _builder(self, plan) -> ItemBuilder:
+        custom = plan.tool_mode == "named" and plan.forced in self.tools.custom
+        return ItemBuilder(self.tools, raw_custom=custom)
+
+    def _finish(self, reply: Reply, builder: ItemBuilder) -> dict:
+        response = _finish(self.shell, reply.job, builder, reply.usage())
+        if self.store is not None:
+            self.store.put(response, self.items)
+        return response
+
+    async def whole(self, reply: Reply) -> dict:
+        output, builder = reply.output(), self._builder(reply.call.plan)
+        async for piece in reply.job.deltas():
             builder.feed(output.feed(piece))
         builder.feed(output.finish())
         builder.finish()
-        response = _finish(shell, job, builder, len(prompt))
-        save(response)
-        return web.json_response(response)
-    return await _stream(request, state, group, shell, output, builder, save, len(prompt))
+        return self._finish(reply, builder)
 
+    async def events(self, reply: Reply):
+        output, builder = reply.output(), self._builder(reply.call.plan)
+        sequence = iter(range(1 << 62))
 
-async def _stream(request, state: ServerState, group, shell: dict, output: ChatOutput,
-                  builder: ItemBuilder, save, prompt_tokens: int) -> web.StreamResponse:
-    job = group.jobs[0]
-    response = await state.open_sse(request)
-    sequence = iter(range(1 << 62))
+        def event(kind: str, fields: dict) -> dict:
+            return {"type": kind, "sequence_number": next(sequence), **fields}
 
-    def event(kind: str, fields: dict) -> dict:
-        return {"type": kind, "sequence_number": next(sequence), **fields}
-
-    async def events():
-        yield event("response.created", {"response": shell})
-        yield event("response.in_progress", {"response": shell})
+        yield event("response.created", {"response": self.shell})
+        yield event("response.in_progress", {"response": self.shell})
         try:
-            async for piece in job.deltas():
+            async for piece in reply.job.deltas():
                 for kind, fields in builder.feed(output.feed(piece)):
                     yield event(kind, fields)
         except ClientGone:
             raise
         except MacspecError as err:  # agents read the failure from the typed stream
-            failed = {**shell, "status": "failed", "output": builder.items,
+            failed = {**self.shell, "status": "failed", "output": builder.items,
                       "error": {"code": err.error_type, "message": str(err)}}
             yield event("response.failed", {"response": failed})
             return
         for kind, fields in builder.feed(output.finish()) + builder.finish():
             yield event(kind, fields)
-        final = _finish(shell, job, builder, prompt_tokens)
-        save(final)
+        final = self._finish(reply, builder)
         done = "response.completed" if final["status"] == "completed" else "response.incomplete"
         yield event(done, {"response": final})
 
-    def encode(data: dict) -> str:
+    def encode(self, data: dict) -> str:
         return f"event: {data['type']}\ndata: {json.dumps(data)}\n\n"
 
-    await state.stream_events(response, group, events(), encode)
-    return response
+
+async def create(request: web.Request) -> web.StreamResponse:
+    return await respond(request, ResponsesCodec())
 
 
 async def retrieve(request: web.Request) -> web.Response:
