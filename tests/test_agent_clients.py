@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -84,10 +85,12 @@ def server(tmp_path_factory):
     srv.wait()
 
 
-def run_client(argv: list[str], env: dict, tmp_path: Path) -> subprocess.CompletedProcess:
+def run_client(command: list[str] | str, env: dict, tmp_path: Path) -> subprocess.CompletedProcess:
+    """A client in an empty work dir and home; a string runs as a bash command line."""
     work = tmp_path / "work"
     work.mkdir()
     base = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "MACSPEC_API_KEY": KEY}
+    argv = ["bash", "-c", command] if isinstance(command, str) else command
     return subprocess.run(argv, cwd=work, env={**base, **env}, capture_output=True, text=True,
                           stdin=subprocess.DEVNULL, timeout=600)
 
@@ -117,11 +120,11 @@ def test_codex_exec_completes_a_turn_through_a_tool_call(server, tmp_path):
 
 def test_claude_code_print_completes_a_turn_through_a_tool_call(server, tmp_path):
     claude = client_binary("claude")
-    line = readme_block("Claude Code speaks the Messages API", "bash").replace("\\\n", " ")
-    settings = dict(word.split("=", 1) for word in line.split() if "=" in word)
-    env = {name: value.replace('"$MACSPEC_API_KEY"', KEY).replace("127.0.0.1:8000", server.url[7:])
-           for name, value in settings.items()}
-    done = run_client([str(claude), "-p", "Say hi.", "--output-format", "json"], env, tmp_path)
+    line = readme_block("Claude Code speaks the Messages API", "bash").replace("\\\n", " ").strip()
+    assert line.endswith(" claude"), line  # the README's command line, run as it is written
+    line = line.replace("127.0.0.1:8000", server.url[7:]).removesuffix("claude")
+    done = run_client(line + f"{shlex.quote(str(claude))} -p 'Say hi.' --output-format json",
+                      {}, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(done.stdout)
     assert not result["is_error"] and result["num_turns"] == 2, result

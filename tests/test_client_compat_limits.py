@@ -166,3 +166,16 @@ def test_system_messages_merge_into_one_leading_one_for_strict_templates():
 def test_the_old_accept_any_model_key_is_explained():
     with pytest.raises(ProfileError, match="server.accept_any_model.*strict_model_names"):
         profile_from_dict({"server": {"accept_any_model": True}}, "old.toml")
+
+
+@pytest.mark.slow
+def test_tools_too_long_for_the_context_are_left_out_of_the_prompt(clients, caplog):
+    """The tiny template ignores tools, so they are written into the prompt; where that alone
+    overflows the context the request is served without them (Codex on SmolLM2), not refused."""
+    oai, _ = clients
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": "word " * 20,
+                                               "parameters": {"type": "object"}}} for i in range(4)]
+    reply = oai.chat.completions.create(model="m", messages=USER, tools=tools, max_tokens=4)
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    assert reply.usage.prompt_tokens < CONTEXT
+    assert any("served without them" in r.getMessage() for r in caplog.records)

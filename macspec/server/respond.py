@@ -114,8 +114,21 @@ async def prepare(state: ServerState, call: Call) -> tuple[list[int], bool]:
 
 
 def render(state: ServerState, messages: list[dict], tools, template_args: dict):
+    prompt, in_reasoning = _render(state, messages, tools, template_args)
+    if tools and len(prompt) >= state.profile.kv.max_context and state.template_tools.injects:
+        # Tools written into the prompt (server.inject_tool_prompt) made it too long: an answer
+        # without them is better than none (Codex's prompt is 4.6k tokens, 8.9k with its tools).
+        bare = _render(state, messages, tools, template_args, inject=False)
+        logger.warning("the prompt is %d tokens with its %d tools written in, %d without, and the "
+                       "context %d: served without them (the model cannot call them)", len(prompt),
+                       len(tools), len(bare[0]), state.profile.kv.max_context)
+        return bare
+    return prompt, in_reasoning
+
+
+def _render(state: ServerState, messages: list[dict], tools, template_args: dict, inject=True):
     try:
-        return state.render_chat(messages, tools, **template_args)
+        return state.render_chat(messages, tools, inject, **template_args)
     except RequestError:
         merged = leading_system(messages)
         if merged == messages:
@@ -123,7 +136,7 @@ def render(state: ServerState, messages: list[dict], tools, template_args: dict)
         # Templates such as Gemma's or Mistral's take one system message, first; agents send
         # more (Claude Code mid-conversation, Codex two developer messages).
         logger.debug("the chat template refused system messages after the first; merged")
-        return state.render_chat(merged, tools, **template_args)
+        return state.render_chat(merged, tools, inject, **template_args)
 
 
 def leading_system(messages: list[dict]) -> list[dict]:

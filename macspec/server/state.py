@@ -80,12 +80,12 @@ class ServerState:
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    **template_args) -> tuple[list[int], bool]:
+                    inject: bool = True, **template_args) -> tuple[list[int], bool]:
         """-> (prompt ids, whether the prompt leaves a <think> block open). Tools go to the chat
         template as transformers passes them; a template that cannot render them is a 400. A
         template that ignores them gets them, and earlier calls, as text (server/tool_prompt.py)."""
         if self.has_chat_template:
-            if self.template_tools.injects:
+            if inject and self.template_tools.injects:
                 messages, tools = with_tool_prompt(messages, tools, self.template_tools), None
             try:
                 text = self.tokenizer.apply_chat_template(
