@@ -69,6 +69,11 @@ def load_dir(path: Path, dtype: str = "auto", trust_remote_code: bool = False, g
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except (ValueError, FileNotFoundError, KeyError, OSError) as err:
         raise ModelLoadError(f"{path}: cannot load model: {err}") from None
+    # macspec checks prompts against kv.max_context with an error that names the fix;
+    # transformers' own check only warns, misleadingly ("will result in indexing errors").
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    if hasattr(inner, "model_max_length"):
+        inner.model_max_length = 1 << 60
     config = language_config(config)
     if group is not None and group.size() > 1:
         _shard(model, group, path, config)
