@@ -179,3 +179,6 @@ def test_tools_too_long_for_the_context_are_left_out_of_the_prompt(clients, capl
     assert reply.choices[0].finish_reason in ("length", "stop")
     assert reply.usage.prompt_tokens < CONTEXT
     assert any("served without them" in r.getMessage() for r in caplog.records)
+    flat = [{"type": "function", **tool["function"]} for tool in tools]
+    response = oai.responses.create(model="m", input="def f():", tools=flat, max_output_tokens=4)
+    assert "left out" in " ".join(response.model_extra["warnings"])  # the Responses API says so

@@ -38,6 +38,7 @@ class Call:
     stream: bool = False
     logprobs: int | None = None
     temperature_max: float = 2.0
+    warnings: list[str] = field(default_factory=list)  # what was left out, where an API says so
 
 
 @dataclass
@@ -110,20 +111,27 @@ async def prepare(state: ServerState, call: Call) -> tuple[list[int], bool]:
     if call.messages is None:
         return call.prompt, False
     call.plan = apply_testing(call.plan, state.profile.testing, call.messages)
-    return await state.off_loop(render, state, call.messages, call.plan.tools, call.template_args)
+    prompt, in_reasoning, left_out = await state.off_loop(render, state, call.messages,
+                                                          call.plan.tools, call.template_args)
+    if left_out:
+        call.warnings.append("the tools did not fit in the context once written into the prompt: "
+                             "they were left out (the model cannot call them)")
+    return prompt, in_reasoning
 
 
 def render(state: ServerState, messages: list[dict], tools, template_args: dict):
+    """-> (prompt ids, whether a <think> is left open, whether the tools were left out)."""
     prompt, in_reasoning = _render(state, messages, tools, template_args)
     if tools and len(prompt) >= state.profile.kv.max_context and state.template_tools.injects:
         # Tools written into the prompt (server.inject_tool_prompt) made it too long: an answer
-        # without them is better than none (Codex's prompt is 4.6k tokens, 8.9k with its tools).
-        bare = _render(state, messages, tools, template_args, inject=False)
+        # without them is better than none (Codex on SmolLM2: 8.9k tokens with its tools, 4.6k
+        # without).
+        bare, in_reasoning = _render(state, messages, tools, template_args, inject=False)
         logger.warning("the prompt is %d tokens with its %d tools written in, %d without, and the "
                        "context %d: served without them (the model cannot call them)", len(prompt),
-                       len(tools), len(bare[0]), state.profile.kv.max_context)
-        return bare
-    return prompt, in_reasoning
+                       len(tools), len(bare), state.profile.kv.max_context)
+        return bare, in_reasoning, True
+    return prompt, in_reasoning, False
 
 
 def _render(state: ServerState, messages: list[dict], tools, template_args: dict, inject=True):

@@ -76,15 +76,14 @@ def _messages(body: dict, items: list, tools) -> list[dict]:
     return messages
 
 
-def _shell(body: dict, model: str, ident: str, status: str, warnings: list[str]) -> dict:
+def _shell(body: dict, model: str, ident: str, status: str) -> dict:
     echo = {key: body.get(key) for key in ECHOED}
     echo["parallel_tool_calls"] = body.get("parallel_tool_calls", True)
     echo["tool_choice"] = body.get("tool_choice") or "auto"
     echo["tools"] = body.get("tools") or []
     return {"id": ident, "object": "response", "created_at": int(time.time()), "status": status,
             "model": model, "output": [], "error": None, "incomplete_details": None,
-            "usage": None, "store": body.get("store", True), **echo,
-            **({"warnings": warnings} if warnings else {})}
+            "usage": None, "store": body.get("store", True), **echo}
 
 
 def _finish(shell: dict, job, builder: ItemBuilder, usage: Usage) -> dict:
@@ -108,14 +107,20 @@ class ResponsesCodec:
         self.store = request.app[STORE] if get_bool(body, "store", True) else None
         plan, self.tools = plan_responses(body)
         self.items = _history(request, body)
-        self.shell = _shell(body, model, new_id("resp"), "in_progress", self.tools.warnings())
+        self.shell = _shell(body, model, new_id("resp"), "in_progress")
         return Call(model, body, plan, messages=_messages(body, self.items, self.tools),
                     template_args=thinking_args(body), stream=get_bool(body, "stream", False),
-                    max_tokens=get_int(body, "max_output_tokens", None, lo=1))
+                    max_tokens=get_int(body, "max_output_tokens", None, lo=1),
+                    warnings=self.tools.warnings())
 
-    def _builder(self, plan) -> ItemBuilder:
+    def _begin(self, reply: Reply):
+        """-> (the output parser, the item builder); the shell gains the call's warnings, known
+        once the prompt is rendered."""
+        if reply.call.warnings:
+            self.shell["warnings"] = reply.call.warnings
+        plan = reply.call.plan
         custom = plan.tool_mode == "named" and plan.forced in self.tools.custom
-        return ItemBuilder(self.tools, raw_custom=custom)
+        return reply.output(), ItemBuilder(self.tools, raw_custom=custom)
 
     def _finish(self, reply: Reply, builder: ItemBuilder) -> dict:
         response = _finish(self.shell, reply.job, builder, reply.usage())
@@ -124,7 +129,7 @@ class ResponsesCodec:
         return response
 
     async def whole(self, reply: Reply) -> dict:
-        output, builder = reply.output(), self._builder(reply.call.plan)
+        output, builder = self._begin(reply)
         async for piece in reply.job.deltas():
             builder.feed(output.feed(piece))
         builder.feed(output.finish())
@@ -132,7 +137,7 @@ class ResponsesCodec:
         return self._finish(reply, builder)
 
     async def events(self, reply: Reply):
-        output, builder = reply.output(), self._builder(reply.call.plan)
+        output, builder = self._begin(reply)
         sequence = iter(range(1 << 62))
 
         def event(kind: str, fields: dict) -> dict:
