@@ -11,6 +11,7 @@ import click
 from . import __version__
 from .config import DEFAULT_PROFILE, SECTIONS, list_profiles, load_profile
 from .errors import MacspecError
+from .modelflag import HELP as MODEL_HELP, use_model
 from . import proposers
 
 
@@ -30,6 +31,7 @@ def complete_profiles(ctx, param, incomplete):
 profile_option = click.option("--profile", "-p", default=DEFAULT_PROFILE, show_default=True,
                               shell_complete=complete_profiles,
                               help="Profile name or path to a .toml file.")
+model_option = click.option("--model", metavar="PATH|ID", help=MODEL_HELP)
 
 
 def setup_logging(level: str, tag: str = "") -> None:
@@ -45,7 +47,9 @@ class MacspecGroup(click.Group):
         try:
             return super().invoke(ctx)
         except MacspecError as err:
-            raise click.ClickException(str(err)) from None
+            clean = click.ClickException(str(err))
+            clean.exit_code = getattr(err, "exit_code", 1)  # an interrupted start-up: 130
+            raise clean from None
 
     def format_commands(self, ctx, formatter):
         """Each command's whole first sentence, wrapped (click cuts it at the terminal's width)."""
@@ -69,6 +73,7 @@ def main():
 @main.command()
 @click.argument("prompt")
 @profile_option
+@model_option
 @click.option("--max-tokens", type=click.IntRange(min=1), help="Tokens to generate.")
 @click.option("--temperature", type=click.FloatRange(0, 10), help="0 = greedy.")
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), help="Nucleus mass.")
@@ -82,13 +87,15 @@ def main():
 @click.option("--chat/--raw", default=None, help="Apply the chat template (default: the profile's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="warning", show_default=True)
-def run(prompt, profile, as_json, log_level, **flags):
+def run(prompt, profile, model, as_json, log_level, **flags):
     """Generate a continuation of PROMPT (- reads stdin), streamed, then one stats line."""
     from . import progress
 
     setup_logging(log_level)
     progress.show_on_terminal(not as_json)
     chosen = load_profile(profile)  # a bad profile is reported before MLX takes seconds to load
+    if model:
+        use_model(chosen, model, method_given=flags["method"] is not None)
     with progress.phase("starting MLX"):
         from .run import RunOptions, run_once
     if prompt == "-":
@@ -124,6 +131,7 @@ def serve_override_options(fn):
 
 @main.command()
 @profile_option
+@model_option
 @serve_override_options
 @click.option("--name", help="A name for this server, for `macspec status/stop --name`.")
 @click.option("--api-key", envvar=API_KEY_ENV, help="Require this Bearer key; prefer setting "
@@ -133,7 +141,7 @@ def serve_override_options(fn):
 @click.option("--daemon-log", hidden=True, help="Set by --detach: this process is that server.")
 @click.option("--workdir", hidden=True, help="Set by --detach: the user's working directory.")
 @click.pass_context
-def serve(ctx, profile, name, api_key, detach, log_level, daemon_log, workdir, **flags):
+def serve(ctx, profile, model, name, api_key, detach, log_level, daemon_log, workdir, **flags):
     """Serve the profile's model over an OpenAI- and Anthropic-compatible HTTP API."""
     import os
     from pathlib import Path
@@ -146,6 +154,8 @@ def serve(ctx, profile, name, api_key, detach, log_level, daemon_log, workdir, *
     setup_logging(log_level)
     daemon.check_name(name)
     prof = load_profile(profile)
+    if model:
+        use_model(prof, model, method_given=flags["method"] is not None)
     for flag, key, _, _ in SERVE_OVERRIDES:
         if flags[_param(flag)] is not None:
             prof.override(key, flags[_param(flag)], flag)
@@ -163,6 +173,7 @@ def serve(ctx, profile, name, api_key, detach, log_level, daemon_log, workdir, *
                        "`Authorization: Bearer <secret>`", host, API_KEY_ENV)
     if detach:
         argv = ["--profile", profile, "--log-level", log_level] + (["--name", name] if name else [])
+        argv += ["--model", model] if model else []
         for flag, _, _, _ in SERVE_OVERRIDES:
             if flags[_param(flag)] is not None:
                 argv += [flag, str(flags[_param(flag)])]
@@ -211,37 +222,50 @@ def status(port, name, as_json):
 
     live, stale = daemon.read_records()
     _stale_notes(stale)
-    if not live:
-        raise MacspecError("no macspec server is running (start one with `macspec serve --detach`)")
-    key = os.environ.get(API_KEY_ENV)
-    if port is not None or name is not None:
-        record = daemon.select(live, port, name)
-        body = daemon.query_status(record, key)
-        if as_json:
-            click.echo(json.dumps({"daemon": record, "status": body}, indent=2))
-        else:
-            _echo_status(record, body)
+    one = port is not None or name is not None
+    if one:
+        live = [daemon.select(live, port, name)]  # asked for a server that is not there: exit 1
+    elif not live:  # nothing running is an answer, not an error
+        click.echo(json.dumps({"servers": []}) if as_json
+                   else "no servers running (start one with `macspec serve --detach`)")
         return
-    servers, failed = [], 0
-    for record in live:
-        try:
-            servers.append({"daemon": record, "status": daemon.query_status(record, key), "error": None})
-        except MacspecError as err:
-            servers.append({"daemon": record, "status": None, "error": str(err)})
-            failed += 1
+    servers = [_server_status(record, os.environ.get(API_KEY_ENV)) for record in live]
     if as_json:
-        click.echo(json.dumps({"servers": servers}, indent=2))
+        click.echo(json.dumps(servers[0] if one else {"servers": servers}, indent=2))
     else:
-        for i, server in enumerate(servers):
-            if i:
-                click.echo()
-            if server["error"]:
-                click.echo(f"running: {daemon.describe(server['daemon'])}")
-                click.echo(f"  not answering: {server['error']}")
-            else:
-                _echo_status(server["daemon"], server["status"])
-    if failed:
+        _echo_servers(servers)
+    if any(server["error"] for server in servers):
         sys.exit(1)
+
+
+def _server_status(record: dict, key: str | None) -> dict:
+    """One server's /v1/status; a server that wants a key is up all the same (not an error)."""
+    from .server import daemon
+
+    entry = {"daemon": record, "status": None, "error": None, "needs_api_key": None}
+    try:
+        entry["status"] = daemon.query_status(record, key)
+    except daemon.KeyRequired as err:
+        entry["needs_api_key"] = str(err)
+    except MacspecError as err:
+        entry["error"] = str(err)
+    return entry
+
+
+def _echo_servers(servers: list[dict]) -> None:
+    from .server import daemon
+
+    for i, server in enumerate(servers):
+        if i:
+            click.echo()
+        if server["status"] is not None:
+            _echo_status(server["daemon"], server["status"])
+            continue
+        click.echo(f"running: {daemon.describe(server['daemon'])}")
+        if server["needs_api_key"]:
+            click.echo(f"  {server['needs_api_key']}")
+        else:
+            click.echo(f"  not answering: {server['error']}")
 
 
 def _echo_status(record: dict, body: dict) -> None:
@@ -379,6 +403,7 @@ def doctor(profile, as_json, peers):
 @main.command()
 @click.option("--profile", "-p", shell_complete=complete_profiles,
               help="Start `macspec serve` for this profile (default: tiny, unless --url).")
+@model_option
 @click.option("--url", help="Benchmark a running server instead (macspec or OpenAI-compatible).")
 @click.option("--api-key", envvar="MACSPEC_API_KEY", help="Bearer key for the server.")
 @click.option("--scenarios", default="single,sequential,concurrent", show_default=True,
@@ -394,7 +419,7 @@ def doctor(profile, as_json, peers):
 @click.option("--peer", type=click.Choice(["mlx-lm"]), help="Also run mlx_lm.server on the same model.")
 @click.option("--out", type=click.Path(file_okay=False), default="bench-report", show_default=True)
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="warning", show_default=True)
-def bench(profile, url, api_key, scenarios, sequential, concurrent, max_tokens, prompts_file, compare,
+def bench(profile, model, url, api_key, scenarios, sequential, concurrent, max_tokens, prompts_file, compare,
           peer, out, log_level):
     """Benchmark a profile or server: report.md, report.json and report.png in --out."""
     from pathlib import Path
@@ -402,13 +427,16 @@ def bench(profile, url, api_key, scenarios, sequential, concurrent, max_tokens, 
     from .servebench.bench import BenchOptions, run_bench
 
     setup_logging(log_level)
+    if model and url:
+        raise click.UsageError("--model is for the server bench starts; --url benchmarks one "
+                               "that is running")
     names = tuple(n.strip() for n in scenarios.split(",") if n.strip())
     unknown = set(names) - {"single", "sequential", "concurrent"}
     if unknown or not names:
         raise click.BadParameter(f"unknown scenario(s) {sorted(unknown)}; use single, sequential, "
                                  "concurrent", param_hint="--scenarios")
     report, paths = run_bench(BenchOptions(profile, url, Path(out), api_key, names, sequential, concurrent,
-                                           max_tokens, prompts_file, compare, peer))
+                                           max_tokens, prompts_file, compare, peer, model))
     for run in report["runs"]:
         for scenario in run["scenarios"]:
             m = scenario["summary"]
@@ -489,7 +517,33 @@ def profiles_show(name, as_json):
             click.echo(f"  {key} = {json.dumps(value)}  # {origin}")
 
 
-@main.command(short_help="Train or build models: the embedded family, tiny-wide, tiny-moe, the seed replicas, SmolLM2's MTP and EAGLE-3 heads.")
+# What `macspec forge WHAT` makes, one line each: its --help and its usage errors list these.
+FORGE_WHATS = (
+    ("family", "the tiny family (target, MTP head, draft), trained on CPU; needs --out DIR (~35 min)"),
+    ("tiny-wide", "the tiny target widened to ~206M parameters, same logits (tiny-wide-N: hidden N)"),
+    ("tiny-moe", "the tiny target as a 64-expert MoE, same logits"),
+    ("kimi-k25-mini", "a few-MB replica of Kimi K2.5 (architecture, config keys, 4-bit)"),
+    ("moonlight-mini", "a few-MB replica of Moonlight-16B-A3B, kimi-k25-mini's draft"),
+    ("glm5-mini", "a few-MB replica of GLM-5 with its MTP layer"),
+    ("smollm2-mtp", "SmolLM2's MTP head, trained on its own answers (~30 min)"),
+    ("smollm2-eagle3", "SmolLM2's EAGLE-3 head in the published layout (~60 min)"),
+    ("tiny-eagle3", "the tiny target's EAGLE-3 head, from its training corpus (minutes)"),
+)
+
+
+def forge_listing() -> str:
+    width = max(len(name) for name, _ in FORGE_WHATS)
+    return "\n".join(f"  {name:<{width}}  {text}" for name, text in FORGE_WHATS)
+
+
+def _forge_usage(problem: str) -> click.UsageError:
+    return click.UsageError(f"{problem}. WHAT is one of:\n{forge_listing()}")
+
+
+@main.command(short_help="Train or build models: the embedded family, tiny-wide, tiny-moe, the "
+              "seed replicas, SmolLM2's MTP and EAGLE-3 heads.",
+              help="Train or build WHAT (default: family): built models go into the cache "
+                   "(built:NAME), heads over the shipped ones, unless --out.\n\n\b\n" + forge_listing())
 @click.argument("what", default="family")
 @click.option("--out", type=click.Path(file_okay=False),
               help="Output directory (family: required; tiny-wide and the replicas: default the "
@@ -501,64 +555,61 @@ def profiles_show(name, as_json):
                    "draft only.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
 def forge(what, out, recipe, reuse_target, log_level):
-    """Train the embedded family (WHAT = family, offline, CPU), or build WHAT = tiny-wide: the
-    embedded target widened to ~206M parameters with the same logits (tiny-wide-N: hidden N),
-    or WHAT = tiny-moe: the same target as a 64-expert MoE, again with the same logits, or WHAT = kimi-k25-mini, moonlight-mini, glm5-mini: miniature replicas of the seed models
-    (their architectures, config keys and quantization; a few MB, seconds), or WHAT =
-    smollm2-mtp: SmolLM2's MTP head, trained on its own answers (~30 min; default --out: the
-    shipped head, which `pulled:smollm2` then attaches), or WHAT = smollm2-eagle3: its EAGLE-3
-    head in the published layout (training-time test; ~60 min on 2 cores), or WHAT = tiny-eagle3:
-    the embedded target's EAGLE-3 head, from the corpus it was trained on (minutes)."""
+    import re
     from pathlib import Path
 
+    if what not in dict(FORGE_WHATS) and not re.fullmatch(r"tiny-wide-\d+", what):
+        raise _forge_usage(f"no forge target {what!r}")
+    if what == "family" and not out:
+        raise _forge_usage("forge family needs --out DIR (where the family is written)")
     setup_logging(log_level)
+    path = Path(out) if out else None
+    if what == "family":
+        from .forge.build import RECIPES, forge as run_forge
+
+        click.echo(json.dumps(run_forge(path, RECIPES[recipe], reuse_target=reuse_target), indent=2))
+    elif what in ("tiny-eagle3", "smollm2-eagle3", "smollm2-mtp"):
+        _forge_head(what, path, recipe)
+    else:
+        _forge_built(what, path)
+
+
+def _forge_head(what: str, out, recipe: str) -> None:
+    """A speculation head, by default into the assets that ship with macspec."""
+    from .models.store import embedded_dir
+
     if what == "tiny-eagle3":
         from .forge.eagle3 import CORPUS_RECIPES, forge_on_corpus
-        from .models.store import embedded_dir
 
-        path = Path(out) if out else embedded_dir() / "tiny-target" / "eagle3"  # shipped with it
+        path = out or embedded_dir() / "tiny-target" / "eagle3"  # shipped with it
         click.echo(json.dumps(forge_on_corpus(path, CORPUS_RECIPES[recipe]), indent=2))
         click.echo(f"wrote the tiny target's EAGLE-3 head into {path}")
-        return
-    if what == "smollm2-eagle3":
-        from .forge.smollm2_eagle3 import HEAD_ASSET, RECIPES as E3_RECIPES, forge_head as forge_e3
-        from .models.store import embedded_dir
+    elif what == "smollm2-eagle3":
+        from .forge.smollm2_eagle3 import HEAD_ASSET, RECIPES, forge_head
 
-        path = Path(out) if out else embedded_dir() / HEAD_ASSET
-        report = forge_e3(path, E3_RECIPES[recipe])
-        click.echo(json.dumps(report, indent=2))
+        path = out or embedded_dir() / HEAD_ASSET
+        click.echo(json.dumps(forge_head(path, RECIPES[recipe]), indent=2))
         click.echo(f"wrote the SmolLM2 EAGLE-3 head into {path}")
-        return
-    if what == "smollm2-mtp":
-        from .forge.smollm2 import HEAD_ASSET, RECIPES as HEAD_RECIPES, forge_head
-        from .models.store import embedded_dir
+    else:
+        from .forge.smollm2 import HEAD_ASSET, RECIPES, forge_head
 
-        path = Path(out) if out else embedded_dir() / HEAD_ASSET
-        report = forge_head(path, HEAD_RECIPES[recipe])
-        click.echo(json.dumps(report, indent=2))
+        path = out or embedded_dir() / HEAD_ASSET
+        click.echo(json.dumps(forge_head(path, RECIPES[recipe]), indent=2))
         click.echo(f"wrote the SmolLM2 head into {path}")
-        return
-    if what != "family":
-        from .models.built import MOE_NAME, build_moe, build_replica, build_wide, built_dir, is_replica, wide_hidden
 
-        if what == MOE_NAME:
-            path = build_moe(Path(out) if out else built_dir(what))
-            click.echo(f"built {what} (MoE) in {path}")
-            return
-        if is_replica(what):
-            path = build_replica(what, Path(out) if out else built_dir(what))
-            click.echo(f"built {what} in {path}")
-            return
-        hidden = wide_hidden(what)  # MacspecError for an unknown name
-        path = build_wide(Path(out) if out else built_dir(what), hidden)
-        click.echo(f"built {what} (hidden {hidden}) in {path}")
-        return
-    if not out:
-        raise click.UsageError("forge family needs --out DIR")
-    from .forge.build import RECIPES, forge as run_forge
 
-    report = run_forge(Path(out), RECIPES[recipe], reuse_target=reuse_target)
-    click.echo(json.dumps(report, indent=2))
+def _forge_built(what: str, out) -> None:
+    """A built:NAME model dir: tiny-wide(-N), tiny-moe or a seed replica."""
+    from .models.built import MOE_NAME, build_moe, build_replica, build_wide, built_dir, is_replica, wide_hidden
+
+    path = out or built_dir(what)  # MacspecError for a tiny-wide-N the target cannot widen to
+    if what == MOE_NAME:
+        click.echo(f"built {what} (MoE) in {build_moe(path)}")
+    elif is_replica(what):
+        click.echo(f"built {what} in {build_replica(what, path)}")
+    else:
+        hidden = wide_hidden(what)
+        click.echo(f"built {what} (hidden {hidden}) in {build_wide(path, hidden)}")
 
 
 @main.command("import")

@@ -7,6 +7,7 @@ resolved value remembers where it came from (`Profile.sources`).
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from dataclasses import dataclass, field, fields
@@ -395,15 +396,27 @@ def find_profile(name: str) -> Path:
     if _looks_like_path(name):
         path = Path(name).expanduser()
         if not path.is_file():
-            raise ProfileError(f"{path}: profile file not found")
+            raise ProfileError(f"{path}: profile file not found{_model_hint(name)}")
         return path
     for directory in profile_dirs():
         candidate = directory / f"{name}{PROFILE_SUFFIX}"
         if candidate.is_file():
             return candidate
+    known = sorted(list_profiles())
+    close = difflib.get_close_matches(name, known, n=1)
+    if close and not _model_hint(name):
+        raise ProfileError(f"profile {name!r} not found; did you mean {close[0]!r}?")
     searched = ", ".join(str(d) for d in profile_dirs())
-    known = ", ".join(sorted(list_profiles())) or "none"
-    raise ProfileError(f"profile {name!r} not found (searched {searched}); known profiles: {known}")
+    raise ProfileError(f"profile {name!r} not found (searched {searched}); known profiles: "
+                       f"{', '.join(known) or 'none'}{_model_hint(name)}")
+
+
+def _model_hint(name: str) -> str:
+    """`macspec import x.gguf --out my-model` then `--profile my-model`: a model, not a profile."""
+    path = Path(name).expanduser()
+    if (path / "config.json").is_file() or (path.is_file() and path.suffix == ".gguf"):
+        return f"; {name} is a model: give it as --model {name}"
+    return ""
 
 
 def load_profile(name: str | None) -> Profile:

@@ -33,6 +33,8 @@ class Proposer:
     # whether it is a whole model (a draft: loaded, checked and pre-fetched like the target).
     model_required: bool = True
     model_is_lm: bool = True
+    # Needs nothing from the target (no draft, no head), so it fits any model (`--model`).
+    fits_any_target: bool = False
 
 
 PROPOSERS = (
@@ -41,9 +43,10 @@ PROPOSERS = (
     Proposer("eagle3", "eagle3", "an EAGLE-3 head over three of the target's layers (the format "
              "SGLang and vLLM load; SmolLM2's ships with it)", model_key="eagle3_head",
              model_required=False, model_is_lm=False),
-    Proposer("ngram", "ngram", "prompt lookup over the context; no extra model"),
+    Proposer("ngram", "ngram", "prompt lookup over the context; no extra model", fits_any_target=True),
     Proposer("suffix", "suffix", "the longest match in the context and recent answers; no extra model "
-             "(agents: edits, tool loops, extraction)", max_draft_key="suffix_max_tokens"),
+             "(agents: edits, tool loops, extraction)", max_draft_key="suffix_max_tokens",
+             fits_any_target=True),
     Proposer("mtp+suffix", "hybrid", "per row and step, the MTP head's or the suffix's draft, whichever "
              "should be accepted further", max_draft_key="suffix_max_tokens", parts=("mtp", "suffix")),
     Proposer("draft+suffix", "hybrid", "the same with the draft model", model_key="draft_model",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -213,3 +214,111 @@ def test_doctor_explains_a_local_folder_that_is_not_a_model(tmp_path, files, rea
     assert result.exit_code == 2 and target["status"] == "fail"
     assert target["detail"].startswith(f"{folder} exists but is not a valid mlx-lm model: {reason}")
     assert "not on this machine" not in result.stdout
+
+
+# ---- the first ten minutes: --model, misspelt profiles, forge's list -------------------------
+TINY_TARGET = ROOT / "macspec" / "assets" / "models" / "tiny-target"
+
+
+def test_model_flag_runs_an_imported_gguf_and_the_embedded_target(tmp_path, monkeypatch, caplog):
+    from .test_gguf import write_tiny_gguf
+
+    monkeypatch.chdir(tmp_path)  # the newcomer's steps, relative paths and all
+    caplog.set_level(logging.INFO, logger="macspec.modelflag")
+    write_tiny_gguf(tmp_path / "x.gguf")
+    assert invoke("import", "x.gguf", "--out", "my-model").exit_code == 0
+    mistaken = CliRunner().invoke(main, ["run", "hi", "--profile", "my-model"])
+    assert mistaken.exit_code == 1 and "give it as --model my-model" in mistaken.output
+    for model in ("my-model", "x.gguf"):
+        caplog.clear()
+        result = invoke("run", "hi", "--model", model, "--max-tokens", "4", "--json")
+        assert result.exit_code == 0, result.output
+        data = json.loads(result.stdout)
+        assert data["profile"] == "tiny" and data["method"] == "ngram"  # tiny's draft fits tiny only
+        assert data["generated_tokens"] <= 4 and "requested_method" not in data
+        switched = [r.getMessage() for r in caplog.records if r.name == "macspec.modelflag"]
+        assert len(switched) == 1 and "speculative.method = ngram instead of the profile's draft" in switched[0]
+    explicit = json.loads(invoke("run", "hi", "--model", "my-model", "--method", "suffix",
+                                 "--max-tokens", "4", "--json").stdout)
+    assert explicit["method"] == "suffix"
+    # The profile's own target, named by its directory: its draft fits, so it stays.
+    same = invoke("run", "def f(x):", "--model", str(TINY_TARGET), "--max-tokens", "4", "--json")
+    assert same.exit_code == 0, same.output
+    assert json.loads(same.stdout)["method"] == "draft"
+
+
+@pytest.mark.parametrize("value, message", [
+    ("/no/such/model", "--model /no/such/model: no such file or directory"),
+    ("missing.gguf", "--model missing.gguf: no such file or directory"),
+    ("tinny-target", "--model tinny-target: no such file or directory, not a model macspec knows"),
+    ("built:tiny-huge", "--model built:tiny-huge: no built model 'tiny-huge'"),
+    ("EMPTY", "not a model directory (no config.json"),
+])
+def test_a_bad_model_is_one_error_line_before_any_load(tmp_path, value, message):
+    if value == "EMPTY":
+        (tmp_path / "empty").mkdir()
+        value = str(tmp_path / "empty")
+    for command in (["run", "hi"], ["serve", "--port", "0"], ["bench"]):
+        result = CliRunner().invoke(main, [*command, "--model", value])
+        assert result.exit_code == 1, result.output
+        assert result.output.splitlines() == [result.output.strip()]
+        assert result.output.startswith("Error: ") and message in result.output
+
+
+def test_bare_store_names_get_their_prefix():
+    from macspec.modelflag import model_reference
+
+    assert model_reference("tiny-target") == "embedded:tiny-target"
+    assert model_reference("smollm2") == "pulled:smollm2"
+    assert model_reference("tiny-wide") == "built:tiny-wide"
+    assert model_reference("glm5-mini") == "built:glm5-mini"
+    assert model_reference("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_misspelt_profile_gets_a_did_you_mean(isolated_home):
+    result = CliRunner().invoke(main, ["run", "x", "--profile", "tinny"])
+    assert result.exit_code == 1
+    assert result.output == "Error: profile 'tinny' not found; did you mean 'tiny'?\n"
+    (isolated_home / "profiles").mkdir(parents=True)
+    (isolated_home / "profiles" / "my-coder.toml").write_text("[speculative]\nmethod = 'suffix'\n")
+    mine = CliRunner().invoke(main, ["profiles", "show", "my-codr"])
+    assert mine.output == "Error: profile 'my-codr' not found; did you mean 'my-coder'?\n"
+
+
+def test_bare_forge_lists_what_it_makes():
+    from macspec.cli import FORGE_WHATS
+    from macspec.models.built import replica_names
+
+    names = [name for name, _ in FORGE_WHATS]
+    assert set(replica_names()) <= set(names)
+    bare = CliRunner().invoke(main, ["forge"])
+    assert bare.exit_code == 2 and "forge family needs --out DIR" in bare.output
+    unknown = CliRunner().invoke(main, ["forge", "tiny-huge"])
+    assert unknown.exit_code == 2 and "no forge target 'tiny-huge'" in unknown.output
+    helped = invoke("forge", "--help").output
+    for output in (bare.output, unknown.output, helped):
+        listed = [line.split()[0] for line in output.splitlines() if line.startswith("  ")
+                  and line.split()[0] in names]
+        assert listed == names, output
+
+
+def test_status_without_servers_is_not_an_error():
+    result = invoke("status")
+    assert result.exit_code == 0 and result.output == "no servers running (start one with `macspec serve --detach`)\n"
+    assert json.loads(invoke("status", "--json").stdout) == {"servers": []}
+    asked = CliRunner().invoke(main, ["status", "--port", "8123"])  # a named one that is not there
+    assert asked.exit_code == 1 and "no macspec server with port 8123 is running" in asked.output
+
+
+@pytest.mark.slow
+def test_bench_model_flag_serves_that_model(tmp_path):
+    from .test_gguf import write_tiny_gguf
+
+    source = write_tiny_gguf(tmp_path / "x.gguf")
+    out = subprocess.run([sys.executable, "-m", "macspec", "bench", "--model", str(source),
+                          "--scenarios", "single", "--max-tokens", "4", "--out", str(tmp_path / "r")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["config"]["model"] == str(source) and report["config"]["method"] == "ngram"
+    assert f"serving {source}" in report["server_log_excerpt"]

@@ -97,7 +97,7 @@ def test_stale_records_are_removed_and_never_signalled(isolated_home):
         assert plain.returncode == 1 and plain.stderr == "Error: no macspec server is running\n"
         assert bystander.poll() is None, "a stale record's pid was signalled"
         assert not list(servers.glob("*.json"))
-        assert "no macspec server is running" in macspec("status").stderr
+        assert macspec("status").stdout.startswith("no servers running")
     finally:
         bystander.kill()
         bystander.wait()
@@ -169,7 +169,7 @@ def test_several_detached_servers_by_port_and_name(isolated_home, tmp_path):
     finally:
         macspec("stop", "--all", env=env)
     after = macspec("status", env=env)
-    assert after.returncode == 1 and "no macspec server is running" in after.stderr
+    assert after.returncode == 0 and after.stdout.startswith("no servers running")
     assert not records(isolated_home)
     assert sorted(p.name for p in logs.iterdir()) == sorted(["alpha.log", f"{b['port']}.log"])
     for log in (logs / "alpha.log", logs / f"{b['port']}.log"):
@@ -220,3 +220,88 @@ def test_macspec_stop_port_ends_a_foreground_server_with_exit_0(isolated_home):
     assert stopped.returncode == 0 and f"stopped pid {server.proc.pid}" in stopped.stdout
     assert server.wait() == 0, server.log.read_text()
     assert not records(isolated_home)
+
+
+# ---- the first ten minutes: status with a key, Ctrl-C while starting ---------------------------
+def test_status_lists_a_server_that_needs_a_key_without_failing(isolated_home):
+    server = Foreground(isolated_home, env=dict(os.environ, MACSPEC_API_KEY=KEY))
+    try:
+        no_key = {k: v for k, v in os.environ.items() if k != "MACSPEC_API_KEY"}
+        listing = macspec("status", env=no_key)
+        assert listing.returncode == 0, listing.stderr
+        assert listing.stdout.splitlines()[0].startswith(f"running: pid {server.proc.pid}")
+        assert "needs MACSPEC_API_KEY" in listing.stdout and "not answering" not in listing.stdout
+        one = json.loads(macspec("status", "--port", str(server.record["port"]), "--json", env=no_key).stdout)
+        assert one["status"] is None and one["error"] is None and "MACSPEC_API_KEY" in one["needs_api_key"]
+        wrong = macspec("status", env=dict(no_key, MACSPEC_API_KEY="sk-wrong"))
+        assert wrong.returncode == 0 and "not this server's key" in wrong.stdout
+        right = macspec("status", env=dict(no_key, MACSPEC_API_KEY=KEY))
+        assert right.returncode == 0 and "requests: 0 running" in right.stdout
+    finally:
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.wait() == 0, server.log.read_text()
+
+
+@pytest.fixture
+def stalling_model(tmp_path):
+    """The tiny target with a FIFO for tokenizer.json: loading it blocks until the test writes
+    to it, so a server stays in start-up for as long as the test needs (no timing)."""
+    from macspec.models.store import embedded_dir
+
+    model = tmp_path / "stalling-model"
+    model.mkdir()
+    for source in (embedded_dir() / "tiny-target").iterdir():
+        if source.name != "tokenizer.json":
+            (model / source.name).symlink_to(source)
+    os.mkfifo(model / "tokenizer.json")
+    return model
+
+
+def held_while_loading(proc: subprocess.Popen, model, timeout: float = 120.0) -> int:
+    """Wait until `proc`'s server reads the FIFO (it is loading the model); -> the write end,
+    held open so the read stays blocked."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            return os.open(model / "tokenizer.json", os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # ENXIO: nobody is reading it yet
+            time.sleep(0.05)
+    raise AssertionError("the server never started loading the model")
+
+
+def test_ctrl_c_while_a_detached_server_starts_stops_it(isolated_home, stalling_model):
+    parent = subprocess.Popen([sys.executable, "-P", "-m", "macspec", "serve", "--detach", "--port", "0",
+                               "--model", str(stalling_model)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    writer = held_while_loading(parent, stalling_model)
+    try:
+        [child] = psutil.Process(parent.pid).children()
+        assert "--daemon-log" in child.cmdline()
+        parent.send_signal(signal.SIGINT)  # what the terminal sends on Ctrl-C
+        out, err = parent.communicate(timeout=30)
+        assert parent.returncode == 130, err
+        assert err.splitlines()[-1].startswith(f"Error: interrupted: stopped the server that was "
+                                               f"starting (pid {child.pid}); nothing is serving")
+        assert "Aborted" not in err and "Traceback" not in err and out == ""
+        wait_gone(child.pid)  # still inside its load, yet gone: it was stopped, not left to serve
+        assert not records(isolated_home)
+        assert macspec("status").stdout.startswith("no servers running")
+    finally:
+        os.close(writer)
+
+
+def test_ctrl_c_while_a_foreground_server_starts_exits_0(isolated_home, stalling_model):
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "macspec", "serve", "--port", "0",
+                             "--model", str(stalling_model)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    writer = held_while_loading(proc, stalling_model)
+    try:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err  # a requested stop, as once serving
+        assert "SIGINT while starting: stopped" in err
+        assert "Aborted" not in err and "Traceback" not in err
+        assert not records(isolated_home)
+    finally:
+        os.close(writer)

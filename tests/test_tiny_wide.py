@@ -108,8 +108,9 @@ def test_forge_refuses_to_replace_a_foreign_dir(tmp_path):
     (tmp_path / "mine").mkdir()
     result = CliRunner().invoke(main, ["forge", "tiny-wide", "--out", str(tmp_path / "mine")])
     assert result.exit_code == 1 and "is not a macspec build" in result.output
-    result = CliRunner().invoke(main, ["forge", "tiny-huge"])
-    assert result.exit_code == 1 and "no built model 'tiny-huge'" in result.output
+    result = CliRunner().invoke(main, ["forge", "tiny-huge"])  # a usage error, listing targets
+    assert result.exit_code == 2 and "no forge target 'tiny-huge'" in result.output
+    assert "tiny-wide-N" in result.output
     result = CliRunner().invoke(main, ["forge"])
     assert result.exit_code == 2 and "needs --out" in result.output
 

@@ -14,6 +14,7 @@ import click
 
 from ..config import load_profile
 from ..errors import MacspecError
+from ..modelflag import use_model
 from . import report as reports
 from .launch import LaunchedServer, float32_copy
 from .prompts import load_prompts
@@ -35,12 +36,15 @@ class BenchOptions:
     prompts_file: str | None = None
     compare: bool = False
     peer: str | None = None
+    model: str | None = None  # --model: instead of the profile's
 
 
 def run_bench(opts: BenchOptions) -> tuple[dict, list[Path]]:
     prompts = load_prompts(opts.prompts_file)
     plan = scenarios(list(opts.scenario_names), opts.sequential, opts.concurrent)
     profile = load_profile(opts.profile) if (opts.profile or not opts.url) else None
+    if opts.model:  # the report and the mlx-lm peer see what the server will serve
+        use_model(profile, opts.model, method_given=False)
     if opts.peer and profile is None:
         raise MacspecError("--peer mlx-lm needs --profile (the model directory to serve it from)")
     work = opts.out / "servers"
@@ -66,7 +70,8 @@ def _targets(opts: BenchOptions, profile, work: Path, launched: list, errors: li
     if opts.url:
         url, label = opts.url.rstrip("/"), "server"
     else:
-        server = _start(LaunchedServer.macspec(str(profile.source), work, opts.api_key), launched, errors)
+        server = _start(LaunchedServer.macspec(str(profile.source), work, opts.api_key, opts.model),
+                        launched, errors)
         url, label = server.url, "macspec"
     targets = [Target(label + (" spec on" if opts.compare else ""), url, {}, opts.api_key)]
     if opts.compare:

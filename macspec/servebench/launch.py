@@ -34,9 +34,11 @@ class LaunchedServer:
                                          env={k: v for k, v in merged.items() if v is not None})
 
     @classmethod
-    def macspec(cls, profile_file: str, work: Path, api_key: str | None = None) -> "LaunchedServer":
+    def macspec(cls, profile_file: str, work: Path, api_key: str | None = None,
+                model: str | None = None) -> "LaunchedServer":
         port = free_port()
-        argv = macspec_argv("serve", "--profile", profile_file, "--port", str(port), "--log-level", "info")
+        argv = macspec_argv("serve", "--profile", profile_file, "--port", str(port), "--log-level", "info",
+                            *(["--model", model] if model else []))
         # Its own state dir, so the user's `macspec status` record is left alone, but the user's
         # cache (built and pulled models are not made again). No key: unset (`macspec serve`
         # refuses an empty MACSPEC_API_KEY).

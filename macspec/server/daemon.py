@@ -2,10 +2,12 @@
 
 Every running server (foreground or detached) keeps one record, <state dir>/servers/<port>.json
 (state dir: $MACSPEC_HOME/state, else platformdirs' user state dir): pid, host, port, profile,
-name, log (None for a foreground server, which logs to its terminal), started, the process's
-create_time and whether it is detached. A record is trusted only while its pid is still that
-process (same create_time, a `macspec ... serve` command line); otherwise it is stale, removed,
-and its pid is never signalled. Detached servers log to <state dir>/logs/<name or port>.log.
+model, name, log (None for a foreground server, which logs to its terminal), started, the
+process's create_time and whether it is detached. A record is trusted only while its pid is
+still that process (same create_time, a `macspec ... serve` command line); otherwise it is stale,
+removed, and its pid is never signalled. Detached servers log to <state dir>/logs/<name or
+port>.log. Ctrl-C while `serve --detach` waits for its server stops that server (exit 130);
+Ctrl-C while a foreground server starts is a requested stop (exit 0), as once it serves.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0  # loading a large model can take minutes
 STOP_TIMEOUT_S = 30.0
+# A server still starting ends on SIGTERM at once (no handler yet); one that has just come up
+# drains its (empty) queue well within this.
+ABANDON_GRACE_S = 10.0
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, as shells report a command ended by Ctrl-C
 # psutil derives create_time from the boot time, which Linux reports to the second and NTP can
 # move: the same process may read a few ms to 1 s apart from two processes.
 CREATE_TIME_TOLERANCE_S = 1.0
@@ -165,8 +171,9 @@ def _remove_record(path: Path) -> None:
 def describe(record: dict) -> str:
     where = f"log {record['log']}" if record.get("log") else "foreground (logs to its terminal)"
     name = f", name {record['name']}" if record.get("name") else ""
+    model = f", model {record['model']}" if record.get("model") else ""
     return (f"pid {record['pid']}, http://{_url_host(record['host'])}:{record['port']}, "
-            f"profile {record['profile']}{name}, {where}")
+            f"profile {record['profile']}{model}{name}, {where}")
 
 
 def _url_host(host: str) -> str:
@@ -249,12 +256,11 @@ def serve_foreground(profile: Profile, host: str, port: int, api_key: str | None
     when the engine died on its own. `log`: this is a detached server writing to that file."""
     import psutil
 
-    from ..engine.launch import start_engine
-    from .app import serve_forever
-
     check_address(host, port)
     check_name_free(name)
-    engine = start_engine(profile)
+    engine = _start_engine(profile)
+    if engine is None:
+        return
     record_path: list[Path] = []
     requested: list[str] = []  # the signal that asked us to stop
     engine_alive_at_request: list[bool] = []
@@ -269,12 +275,15 @@ def serve_foreground(profile: Profile, host: str, port: int, api_key: str | None
                 except OSError:
                     log_file = log
         record = {"pid": os.getpid(), "host": host, "port": bound_port, "profile": profile.name,
-                  "name": name, "log": str(log_file) if log_file else None, "started": time.time(),
+                  "model": profile.model.path, "name": name,
+                  "log": str(log_file) if log_file else None, "started": time.time(),
                   "create_time": psutil.Process().create_time(), "detached": log is not None,
                   "auth": bool(api_key)}
         record_path.append(_write_record(record))
 
     async def run() -> None:
+        from .app import serve_forever
+
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
 
@@ -291,6 +300,9 @@ def serve_foreground(profile: Profile, host: str, port: int, api_key: str | None
 
     try:
         asyncio.run(run())
+    except KeyboardInterrupt:  # before the loop took SIGINT over
+        requested.append("SIGINT")
+        engine_alive_at_request.append(engine.alive)
     except OSError as err:
         if err.errno == errno.EADDRINUSE:  # taken while the model loaded
             raise MacspecError(in_use_message(host, port)) from None
@@ -304,6 +316,18 @@ def serve_foreground(profile: Profile, host: str, port: int, api_key: str | None
     if not requested or not engine_alive_at_request[0]:
         reason = engine.degraded_reason or "the engine thread ended"
         raise MacspecError(f"the engine stopped on its own: {reason}")
+
+
+def _start_engine(profile: Profile):
+    """The engine, or None when Ctrl-C stopped its start-up: a requested stop, so exit 0 as
+    once serving (start_engine ends what it started, TP ranks included, itself)."""
+    try:
+        from ..engine.launch import start_engine
+
+        return start_engine(profile)
+    except KeyboardInterrupt:
+        logger.info("SIGINT while starting: stopped")
+        return None
 
 
 def _child_env(api_key: str | None) -> dict:
@@ -339,6 +363,21 @@ def serve_detached(argv: list[str], api_key: str | None, host: str, port: int,
         child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, env=_child_env(api_key),
                                  cwd=state_dir(), start_new_session=True)
+    try:
+        return _wait_listening(child, log)
+    except KeyboardInterrupt:  # its own session: the terminal's Ctrl-C reached only us
+        abandon(child.pid)
+        raise StartInterrupted(f"interrupted: stopped the server that was starting (pid "
+                               f"{child.pid}); nothing is serving; log {log}") from None
+
+
+class StartInterrupted(MacspecError):
+    """Ctrl-C while a detached server started: it was stopped; exit 130."""
+
+    exit_code = INTERRUPTED_EXIT
+
+
+def _wait_listening(child: subprocess.Popen, log: Path) -> dict:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         live, _ = read_records()
@@ -349,8 +388,48 @@ def serve_detached(argv: list[str], api_key: str | None, host: str, port: int,
             raise MacspecError(f"the server exited with code {child.returncode} while starting; "
                                f"log {log}:\n{tail(log)}")
         time.sleep(0.2)
-    child.terminate()
+    abandon(child.pid)
     raise MacspecError(f"the server did not start within {START_TIMEOUT_S:.0f} s; log {log}")
+
+
+def abandon(pid: int) -> None:
+    """End a server we started and will not wait for, with everything it started (TP ranks):
+    SIGTERM, SIGKILL after ABANDON_GRACE_S or a second Ctrl-C; then drop any record it wrote."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    _signal_all(procs, "terminate")
+    try:
+        _, alive = psutil.wait_procs(procs, timeout=ABANDON_GRACE_S)
+    except KeyboardInterrupt:
+        alive = procs
+    if alive:
+        _signal_all(alive, "kill")
+        psutil.wait_procs(alive, timeout=5)
+    for path in _record_files():
+        try:
+            if json.loads(path.read_text()).get("pid") == pid:
+                path.unlink(missing_ok=True)
+        except (OSError, ValueError):
+            continue
+
+
+def _signal_all(procs: list, how: str) -> None:
+    import psutil
+
+    for proc in procs:
+        try:
+            getattr(proc, how)()
+        except psutil.NoSuchProcess:
+            pass
+
+
+class KeyRequired(MacspecError):
+    """The server wants a Bearer key the client did not give (or gave wrong): it is up all the same."""
 
 
 def query_status(record: dict, api_key: str | None) -> dict:
@@ -363,8 +442,11 @@ def query_status(record: dict, api_key: str | None) -> dict:
         with urllib.request.urlopen(req, timeout=5) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as err:
-        raise MacspecError(f"the server answered {err.code} to /v1/status"
-                           + (" (set MACSPEC_API_KEY)" if err.code == 401 else "")) from None
+        if err.code == 401:
+            raise KeyRequired("needs MACSPEC_API_KEY (its key) for load and speculation stats"
+                              if not api_key else "refused MACSPEC_API_KEY: not this server's "
+                              "key (401)") from None
+        raise MacspecError(f"the server answered {err.code} to /v1/status") from None
     except OSError as err:
         raise MacspecError(f"the server (pid {record['pid']}) does not answer: {err}") from None
 
