@@ -1,5 +1,5 @@
 """Codex CLI and Claude Code themselves (the npm packages, pinned) against a real `macspec serve`,
-configured exactly as the README says: each completes a turn with exit 0, through a tool call
+configured exactly as docs/agents.md says: each completes a turn with exit 0, through a tool call
 whose result goes back to the model, and the server logs no 4xx or 5xx.
 
 The tiny model neither calls tools nor stops on its own; the profile's [testing] switches
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow  # installs the clients once, starts a server
 
 CLIENTS = {"codex": ("@openai/codex", "0.169.0"), "claude": ("@anthropic-ai/claude-code", "2.1.332")}
 CACHE = Path(os.environ.get("MACSPEC_TEST_CACHE", Path.home() / ".cache" / "macspec-tests"))
-README = Path(__file__).resolve().parent.parent / "README.md"
+AGENTS_DOC = Path(__file__).resolve().parent.parent / "docs" / "agents.md"
 KEY = "sk-agent-clients"
 ANSWER = r"[a-z]{2,8}( [a-z]{2,8}){0,3}\."
 PROFILE = f"""
@@ -66,9 +66,9 @@ def client_binary(name: str) -> Path:
     return binary
 
 
-def readme_block(after: str, language: str) -> str:
+def doc_block(after: str, language: str) -> str:
     """The first ```language block after the line that starts with `after`."""
-    text = README.read_text()
+    text = AGENTS_DOC.read_text()
     start = text.index(f"```{language}\n", text.index(after)) + len(language) + 4
     return text[start:text.index("```", start)]
 
@@ -104,7 +104,7 @@ def assert_clean_log(server) -> list[tuple[str, str]]:
 
 def test_codex_exec_completes_a_turn_through_a_tool_call(server, tmp_path):
     codex = client_binary("codex")
-    config = readme_block("Codex CLI speaks only the Responses API", "toml")
+    config = doc_block("Codex CLI speaks only the Responses API", "toml")
     (tmp_path / "codex").mkdir()
     (tmp_path / "codex" / "config.toml").write_text(config.replace("127.0.0.1:8000", server.url[7:]))
     done = run_client([str(codex), "exec", "--json", "--skip-git-repo-check", "Say hi."],
@@ -120,8 +120,8 @@ def test_codex_exec_completes_a_turn_through_a_tool_call(server, tmp_path):
 
 def test_claude_code_print_completes_a_turn_through_a_tool_call(server, tmp_path):
     claude = client_binary("claude")
-    line = readme_block("Claude Code speaks the Messages API", "bash").replace("\\\n", " ").strip()
-    assert line.endswith(" claude"), line  # the README's command line, run as it is written
+    line = doc_block("Claude Code speaks the Messages API", "bash").replace("\\\n", " ").strip()
+    assert line.endswith(" claude"), line  # the page's command line, run as it is written
     line = line.replace("127.0.0.1:8000", server.url[7:]).removesuffix("claude")
     done = run_client(line + f"{shlex.quote(str(claude))} -p 'Say hi.' --output-format json",
                       {}, tmp_path)
