@@ -9,7 +9,7 @@ from macspec.config import load_profile
 
 NAMES = {"name", "description"}
 SIZES = {"hardware.memory_gb", "hardware.wired_limit_mb", "kv.max_context", "kv.prefill_chunk",
-         "sampling.max_tokens"}
+         "sampling.max_tokens", "server.max_output_tokens"}
 # The machines: two local ring ranks instead of two Mac Studios over JACCL (chip, RDMA devices,
 # coordinator and the remote interpreter describe those Macs).
 HOSTS = {"hardware.chip", "parallel.backend", "parallel.hosts", "parallel.ibv_devices",
