@@ -165,8 +165,7 @@ class ServerState:
         try:
             async for event in stream:
                 await response.write(KEEPALIVE if event is None else encode(event).encode())
-        except (ConnectionResetError, ClientGone):
-            group.close()
+        except (ConnectionResetError, ClientGone):  # the finally below cancels the jobs
             group.jobs[0].usage["status"] = ClientGone.http_status  # the access log's status
             return
         except MacspecError as err:
