@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from macspec.spec.controller import RowController  # noqa: E402
-from macspec.spec.planner import BatchPlanner  # noqa: E402
+from macspec.speculative.controller import RowController  # noqa: E402
+from macspec.speculative.planner import BatchPlanner  # noqa: E402
 
 # Step time (ms) by window, and one draft-chain step (ms). "smollm2": SmolLM2-135M with its
 # EAGLE-3 head through serve on the 2-core dev machine (2026-11-25 /v1/status cost model and

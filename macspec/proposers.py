@@ -2,7 +2,7 @@
 /v1/status, the docs and the tests all read this table.
 
 A proposer is a module under `spec/` (named here) that defines, each given the method's name
-(one module may serve several lines: spec/hybrid.py serves mtp+suffix and draft+suffix)
+(one module may serve several lines: speculative/hybrid.py serves mtp+suffix and draft+suffix)
 - `load(runtime, method, fallback)`: load what it needs beside the target (its model), once;
 - `make_group(runtime, method, vocab_size)`: a fresh `ProposerGroup` for every row of its method;
 - `kv_bytes_per_token(runtime, method)`: the KV its own cache holds per token (0 when none).
@@ -19,7 +19,7 @@ from types import ModuleType
 @dataclass(frozen=True)
 class Proposer:
     name: str  # the profile's speculative.method, --method, the API's speculative.method
-    module: str  # its implementation: macspec.spec.<module>
+    module: str  # its implementation: macspec.speculative.<module>
     help: str
     # The profile key naming the proposer's own model, when it has one (it must be set, and the
     # acceptance it earns belongs to the (target, that model) pair).
@@ -64,7 +64,7 @@ BY_NAME = {p.name: p for p in PROPOSERS}
 
 def implementation(name: str) -> ModuleType:
     """The module that implements proposer `name` (imports MLX)."""
-    return importlib.import_module(f"{__package__}.spec.{BY_NAME[name].module}")
+    return importlib.import_module(f"{__package__}.speculative.{BY_NAME[name].module}")
 
 
 def own_model(method: str, speculative) -> str | None:

@@ -13,7 +13,7 @@ from macspec.engine.runtime import Runtime
 from macspec.config import load_profile
 from macspec.models.loader import load_model
 from macspec.sampling import SamplingParams
-from macspec.spec.draft import DraftGroup
+from macspec.speculative.draft import DraftGroup
 from macspec.proposers import METHODS
 
 from .conftest import engine_for, generate, tiny_runtime

@@ -10,8 +10,8 @@ from macspec.config import load_profile
 from macspec.engine.runtime import Runtime
 from macspec.models.loader import load_model, resolve_path
 from macspec.sampling import SamplingParams
-from macspec.spec.controller import RowController
-from macspec.spec.planner import BatchPlanner
+from macspec.speculative.controller import RowController
+from macspec.speculative.planner import BatchPlanner
 
 from .conftest import generate, heldout_prompts
 from .modeldirs import random_copy_of_embedded

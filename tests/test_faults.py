@@ -18,7 +18,7 @@ from macspec.engine.engine import Engine
 from macspec.engine.service import EngineService
 from macspec.engine.request import Failed, Finished, GenerationRequest
 from macspec.sampling import SamplingParams
-from macspec.spec.planner import BatchPlanner, ForwardCostModel, RowController
+from macspec.speculative.planner import BatchPlanner, ForwardCostModel, RowController
 
 from .serverutil import RunningServer, runtime_with
 

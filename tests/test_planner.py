@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from macspec.spec.planner import BatchPlanner, RowController
+from macspec.speculative.planner import BatchPlanner, RowController
 
 
 def planner_with(base_s: float, per_row_s: float, per_position_s: float, draft_s: float = 0.0) -> BatchPlanner:
@@ -69,8 +69,8 @@ def test_hybrid_outlook_offers_the_suffix_draft_the_plan_counts_on():
     import mlx.core as mx
 
     from macspec.sampling import Rng, RowContext, SamplingParams
-    from macspec.spec.base import ChainRow
-    from macspec.spec.hybrid import suffix_alphas
+    from macspec.speculative.base import ChainRow
+    from macspec.speculative.hybrid import suffix_alphas
 
     from .conftest import tiny_runtime
     runtime = tiny_runtime("draft+suffix")
@@ -181,7 +181,7 @@ def test_moe_cost_model_fits_expert_reads_and_turns_k_down_where_windows_cost_th
     """An MoE target's window reads up to W × top-k experts: the fit recovers a cost in the
     expected distinct experts, and a row with 60 % acceptance drafts on a dense target with the
     same one-token cost but not on the MoE one."""
-    from macspec.spec.planner import distinct_experts, moe_shape
+    from macspec.speculative.planner import distinct_experts, moe_shape
 
     moe = moe_shape({"n_routed_experts": 64, "num_experts_per_tok": 8})
     assert moe == (64, 8) and moe_shape({"intermediate_size": 768}) is None
@@ -203,8 +203,8 @@ def test_off_rows_probe_together_within_the_budget():
     """Four rows whose drafts never pass, on a target where a wider window costs the batch:
     their probes start in the same steps (one widened window, not four), and the probe steps'
     extra cost stays within PROBE_BUDGET of the decoding time."""
-    from macspec.spec.controller import PROBE_STEPS
-    from macspec.spec.planner import PROBE_BUDGET
+    from macspec.speculative.controller import PROBE_STEPS
+    from macspec.speculative.planner import PROBE_BUDGET
 
     planner = planner_with(base_s=0.01, per_row_s=0.0, per_position_s=0.004, draft_s=0.0005)
     batch = rows(4, alpha=0.1)  # off from their first observation: drafts that never pass

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from macspec.sampling import Rng, RowContext, SamplingParams
-from macspec.spec.base import ChainRow
-from macspec.spec.suffix import MAX_MATCH, SuffixGroup, SuffixIndex, scored_walk
+from macspec.speculative.base import ChainRow
+from macspec.speculative.suffix import MAX_MATCH, SuffixGroup, SuffixIndex, scored_walk
 
 from .conftest import engine_for, tiny_runtime
 

@@ -23,9 +23,9 @@ from ..kv.disk import open_store
 from ..kv.prefix import PrefixCache
 from ..models.view import join_states
 from ..monitor.memory import MB, KVBudget
-from ..spec.calibrate import calibrate
-from ..spec.planner import moe_shape
-from ..spec.speculator import Speculator
+from ..speculative.calibrate import calibrate
+from ..speculative.planner import moe_shape
+from ..speculative.speculator import Speculator
 from . import window
 from .blocking import BlockingAPI
 from .request import Failed, GenerationRequest

@@ -15,7 +15,7 @@ from ..models.view import ModelView
 from ..monitor.memory import apply_wired_limit, compute_dtype_bytes, kv_bytes_per_token
 from ..progress import phase
 from .. import proposers
-from ..spec.base import ProposerGroup
+from ..speculative.base import ProposerGroup
 
 logger = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ from .. import proposers
 from ..errors import RequestError
 from ..models.view import join_states
 from ..sampling import Rng, RowContext
-from ..spec.base import ProposerGroup
-from ..spec.controller import RowController
-from ..spec.speculator import Speculator
-from ..spec.stats import SpecStats
+from ..speculative.base import ProposerGroup
+from ..speculative.controller import RowController
+from ..speculative.speculator import Speculator
+from ..speculative.stats import SpecStats
 from .request import Event, Failed, Finished, GenerationRequest, Tokens, emit_safely
 
 

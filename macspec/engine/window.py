@@ -7,8 +7,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..sampling import RowContext, SamplingParams, log_normalize, sample_plain_rows
-from ..spec.base import Drafts
-from ..spec.verify import committed_logprobs, verify_greedy, verify_greedy_batch, verify_sampling
+from ..speculative.base import Drafts
+from ..speculative.verify import committed_logprobs, verify_greedy, verify_greedy_batch, verify_sampling
 from .sequence import Sequence
 
 
