@@ -25,7 +25,7 @@ import mlx.core as mx  # noqa: E402
 from macspec.config import load_profile  # noqa: E402
 from macspec.engine.runner import TargetRunner  # noqa: E402
 from macspec.engine.runtime import Runtime  # noqa: E402
-from macspec.speculative.planner import moe_shape  # noqa: E402
+from macspec.models.textconfig import moe_shape  # noqa: E402
 
 
 def surface(profile: str, rows: list[int], windows: list[int], repeats: int) -> dict:

@@ -1,6 +1,6 @@
 """Faults the engine survives, and a way to cause them on purpose.
 
-Speculation is bookkeeping around the target: a controller, planner or proposer that raises
+Speculation is bookkeeping around the target: the policy, an acceptance estimate or a proposer that raises
 must cost that row its speculation for the step, never the request. `SpecFaults` counts such
 faults (shown in /v1/status and /metrics) and logs each kind once with its cause.
 
@@ -18,7 +18,7 @@ import threading
 logger = logging.getLogger(__name__)
 
 # Where the engine checks for injected faults.
-POINTS = ("plan", "proposer_start", "propose", "proposer_observe", "controller", "cost_model", "prefill", "decode")
+POINTS = ("plan", "proposer_start", "propose", "proposer_observe", "acceptance", "cost_model", "prefill", "decode")
 
 _armed: dict[str, list] = {}
 _armed_lock = threading.Lock()

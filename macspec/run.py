@@ -73,7 +73,9 @@ def stats_line(stats: dict, blas: BlasInfo) -> str:
         return head + f"method none | {blas_text}"
     return head + (f"method {stats['method']} k<={stats['k_max']} (mean {stats['spec']['mean_k']:.2f}) | "
                    f"acceptance {stats['acceptance_rate']:.2f} | "
-                   f"{stats['tokens_per_forward']:.2f} tok/forward | {blas_text}")
+                   f"{stats['tokens_per_forward']:.2f} tok/forward | "
+                   + (f"speculation {stats['speculation']} | " if stats.get("speculation") else "")
+                   + blas_text)
 
 
 def run_once(profile: Profile, prompt: str, opts: RunOptions) -> dict:
@@ -91,14 +93,14 @@ def run_once(profile: Profile, prompt: str, opts: RunOptions) -> dict:
         def steps(tokens, holder):
             return engine.stream(tokens, params, profile.sampling.max_tokens, holder)
 
-        result = _stream(profile, engine.runtime, prompt, opts, steps)
+        result = _stream(profile, engine.runtime, prompt, opts, steps, engine.speculator.policy.explain)
         save_priors()
         return result
     finally:
         engine.close()
 
 
-def _stream(profile: Profile, runtime, prompt: str, opts: RunOptions, steps) -> dict:
+def _stream(profile: Profile, runtime, prompt: str, opts: RunOptions, steps, explain=None) -> dict:
     tokens = encode_prompt(runtime.tokenizer, prompt, profile.model.chat)
     text = IncrementalDecoder(runtime.tokenizer)
     stats: dict = {}
@@ -112,6 +114,8 @@ def _stream(profile: Profile, runtime, prompt: str, opts: RunOptions, steps) -> 
             sys.stdout.write(segment)
             sys.stdout.flush()
     tail = text.flush()
+    if explain is not None and stats.get("method", "none") != "none":
+        stats["speculation"] = explain(stats["method"])  # why it drafted (or did not)
     result = {"profile": profile.name, "text": text.text, "token_ids": text.ids,
               "blas": blas_info().as_dict(), **stats}
     if runtime.method != profile.speculative.method:  # the draft was refused, fallback taken

@@ -18,7 +18,7 @@ from macspec.models.store import embedded_dir
 from macspec.models.view import ModelView
 from macspec.paths import CACHE_ENV
 from macspec.sampling import SamplingParams
-from macspec.speculative.planner import moe_shape
+from macspec.models.textconfig import moe_shape
 
 PROMPTS = ["def parse_args(argv):\n    parser = argparse.ArgumentParser(",
            "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",

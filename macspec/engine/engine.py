@@ -2,7 +2,7 @@
 
 add_request() queues a request; each step() is schedule -> propose -> verify -> commit: admit
 waiting requests, prefill one prompt chunk, then one batched speculative decode step over every
-running row (each row with its own proposer and k, chosen by the batch planner). Events go to
+running row (each row with its own proposer and k, chosen by the policy). Events go to
 each request's sink as they happen. generate() runs steps until its requests are done; `serve`
 wraps the engine in a thread with queues (service.py).
 """
@@ -24,7 +24,6 @@ from ..kv.prefix import PrefixCache
 from ..models.view import join_states
 from ..monitor.memory import MB, KVBudget
 from ..speculative.calibrate import calibrate
-from ..speculative.planner import moe_shape
 from ..speculative.speculator import Speculator
 from . import window
 from .blocking import BlockingAPI
@@ -51,7 +50,7 @@ class Engine(BlockingAPI):
                           world=self.tp_size)
         self.runner = self._make_runner(TargetRunner(runtime.view, tp.group if tp else None, disk))
         self.speculator = Speculator(lambda method: runtime.make_group(method, runtime.vocab_size),
-                                     profile.speculative, runtime.vocab_size, moe_shape(runtime.target.config))
+                                     profile.speculative, runtime.vocab_size)
         memory = KVBudget.for_engine(runtime.kv_bytes_per_token(proposers.PLAIN, self.tp_size),
                                      profile.kv.kv_budget_mb)
         logger.info("KV budget %d MB (%s), %d bytes per token", memory.budget // MB, memory.source,
@@ -133,7 +132,7 @@ class Engine(BlockingAPI):
     def _prefill(self, seq: Sequence, chunk: list[int]) -> None:
         faults.check("prefill")
         hidden, logits = self.runner.prefill(seq.request.id, chunk)
-        if seq.proposer is not None and seq.proposer.needs_hidden:
+        if seq.spec.group is not None and seq.spec.group.needs_hidden:
             seq.hidden_chunks.append(hidden)
         seq.prefill_done += len(chunk)
         self.stats.count("prompt_tokens", len(chunk))
@@ -179,18 +178,19 @@ class Engine(BlockingAPI):
         read = self._sync(mx.concatenate([verdicts, tokens[:, 1:]], axis=1), *self.speculator.cache_arrays(),
                           *reports.values()).tolist()
         marks.append(time.perf_counter())
-        self._commit_step(seqs, ks, read, hidden, reports)
+        committed = self._commit_step(seqs, ks, read, hidden, reports)
         marks.append(time.perf_counter())
-        self.speculator.observe_step(seqs, ks, tokens.shape[1], marks[3] - marks[0], marks[4] - marks[3])
+        self.speculator.observe_step(ks, marks[4] - marks[0], committed)
         for index in reversed(range(len(seqs))):
             if seqs[index].finished:
                 self._close(self.scheduler.remove_row(index))
         self.stats.step_done(len(seqs), marks + [time.perf_counter()])
 
     def _commit_step(self, seqs: list[Sequence], ks: list[int], read: list[list[int]], hidden: mx.array,
-                     reports: dict[int, mx.array]) -> None:
+                     reports: dict[int, mx.array]) -> int:
         """Each row keeps its accepted drafts and the verdict's token; proposers and the KV
-        roll back what was rejected. `read[i]`: row i's (accepted, token, window drafts...)."""
+        roll back what was rejected. `read[i]`: row i's (accepted, token, window drafts...).
+        -> the tokens committed over all rows."""
         accepted = {}
         for i, seq in enumerate(seqs):
             n, token, proposed = read[i][0], read[i][1], read[i][2:2 + ks[i]]
@@ -200,6 +200,7 @@ class Engine(BlockingAPI):
             self._commit(seq, new, window.logprob_entries(reports.get(i), n + 1, seq.request.logprobs))
         self.speculator.settle(accepted)
         self.runner.advance([accepted[seq.request.id] + 1 for seq in seqs])
+        return sum(accepted.values()) + len(seqs)
 
     def _sync(self, out: mx.array, *more) -> mx.array:
         """Evaluate (one host round trip), counted: the bench reports syncs per step."""
@@ -281,7 +282,7 @@ class Engine(BlockingAPI):
 
     # ---- calibration and reporting -----------------------------------------------------
     def calibrate(self) -> None:
-        """Time the target forward (and the profile's proposer) to seed the cost model."""
+        """Time the target forward (and the profile's proposer) to seed the step-cost table."""
         calibrate(self.speculator, self.runner, self.runtime.method, self.max_batch)
 
     def remembered_priors(self, path) -> Callable[[], None]:

@@ -169,7 +169,7 @@ class TargetRunner:
             kv.add_row(cache, prompt.shape[1])
         # Distinct tokens per row and position, the same on every rank (a fixed key): one token
         # repeated routes every position of an MoE target to the same experts, so the window
-        # looked nearly free and the planner drafted where a real window loses.
+        # looked nearly free and the policy drafted where a real window loses.
         vocab = int(self.view.inner.embed_tokens.weight.shape[0])
         tokens = mx.random.randint(1, max(2, min(vocab, 4096)), (rows, window),
                                    key=mx.random.key(rows * 64 + window))

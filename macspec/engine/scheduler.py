@@ -271,7 +271,7 @@ class Scheduler:
 
 def _needs_states(seq: Sequence) -> bool:
     """An MTP head needs the target's states for its whole context, beside the target's KV."""
-    return seq.proposer is not None and seq.proposer.needs_hidden
+    return seq.spec.group is not None and seq.spec.group.needs_hidden
 
 
 def _states(seq: Sequence, length: int, computing: list[mx.array] = ()) -> mx.array | None:

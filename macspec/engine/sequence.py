@@ -1,4 +1,4 @@
-"""One request inside the engine: its tokens, proposer, controller, RNG and counters."""
+"""One request inside the engine: its tokens, its speculation record, RNG and counters."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ from .. import proposers
 from ..errors import RequestError
 from ..models.view import join_states
 from ..sampling import Rng, RowContext
-from ..speculative.base import ProposerGroup
-from ..speculative.controller import RowController
-from ..speculative.speculator import Speculator
+from ..speculative.speculator import Record, Speculator
 from ..speculative.stats import SpecStats
 from .request import Event, Failed, Finished, GenerationRequest, Tokens, emit_safely
 
@@ -68,8 +66,7 @@ def take_until_finish(stats: GenerationStats, new: list[int], eos: set[int], max
 class Sequence:
     request: GenerationRequest
     method: str
-    proposer: ProposerGroup | None  # its method's group, None = plain
-    controller: RowController
+    spec: Record  # its speculation: proposer, k_max, acceptance (the speculator writes it)
     stats: GenerationStats
     rng: Rng
     eos: set[int]
@@ -145,16 +142,13 @@ class Sequence:
     def summary(self) -> dict:
         out = self.stats.as_dict()
         out["cached_prompt_tokens"] = self.reused_prefix
-        c = self.controller
-        out["controller"] = {"state": c.state, "turned_off": c.num_turned_off, "probes": c.num_probes,
-                             "probe_intervals": list(c.probe_intervals),
-                             "alphas": [round(a, 3) for a in c.alphas]}
+        out["spec"]["acceptance_estimate"] = self.spec.as_dict()["acceptance"]
         return out
 
 
 def new_sequence(req: GenerationRequest, runtime, speculator: Speculator, max_context: int,
                  tp_size: int = 1) -> Sequence:
-    """A request made ready to schedule: validated, its proposer and controller chosen, its KV
+    """A request made ready to schedule: validated, its speculation record made, its KV
     at full length sized. Raises RequestError (or a loading error) when it cannot run."""
     if not req.prompt:
         raise RequestError("the prompt is empty")
@@ -164,18 +158,15 @@ def new_sequence(req: GenerationRequest, runtime, speculator: Speculator, max_co
     spec = runtime.profile.speculative
     method = req.method or runtime.method
     runtime.ensure_method(method)
-    proposer = speculator.group(method)
-    k_max = 0 if proposer is None else proposers.max_draft(method, spec) if req.num_draft is None else req.num_draft
+    k_max = 0 if method == proposers.PLAIN else proposers.max_draft(method, spec) if req.num_draft is None \
+        else req.num_draft
     adaptive = spec.adaptive if req.adaptive is None else req.adaptive
-    if req.params.seed is not None and not req.params.is_greedy:
-        # The random stream is consumed per draft, so a replay needs the same k every step.
-        adaptive = False
+    seeded = req.params.seed is not None and not req.params.is_greedy
+    # The random stream is consumed per draft, so a replay needs the same k every step.
+    record = speculator.admit(method, k_max, adaptive and not seeded, isolated=seeded)
     eos = set(req.stop_token_ids)
     if not req.ignore_eos:
         eos |= set(runtime.tokenizer.eos_token_ids)
     need = (len(req.prompt) + req.max_tokens + k_max + 1) * runtime.kv_bytes_per_token(method, tp_size)
-    # As RowContext.is_plain_greedy: anything else computes a processed distribution per draft.
-    processed = not (req.params.is_greedy and not req.params.has_processing and req.constraint is None)
-    return Sequence(req, method, proposer, speculator.controller(method, k_max, adaptive, processed),
-                    GenerationStats(method, k_max), Rng(req.params.seed), eos,
-                    list(req.prompt), kv_need=need)
+    return Sequence(req, method, record, GenerationStats(method, record.k_max, spec=record.stats),
+                    Rng(req.params.seed), eos, list(req.prompt), kv_need=need)

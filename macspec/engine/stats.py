@@ -65,14 +65,11 @@ def engine_status(engine) -> dict:
     """A snapshot of `engine`; call it from the thread that steps it (the service does)."""
     s, memory = engine.scheduler, engine.scheduler.memory
     rows = list(s.running)
-    states: dict[str, int] = {}
-    for seq in rows:
-        states[seq.controller.state] = states.get(seq.controller.state, 0) + 1
     return {
         "running": len(rows), "prefilling": len(s.prefilling), "waiting": len(s.waiting),
         "max_batch": engine.max_batch,
         **engine.stats.as_dict(),
-        "rows": {"k_in_use": [seq.controller.last_k for seq in rows], "states": states},
+        "rows": {"k_in_use": [seq.spec.k for seq in rows]},
         "proposers": {"default": engine.runtime.method, "methods": list(proposers.METHODS),
                       "unavailable": dict(engine.runtime.unavailable)},
         **engine.speculator.status(),

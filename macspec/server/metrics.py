@@ -44,11 +44,13 @@ class EngineCollector:
         yield accepted
         yield per_forward
         yield draft_length
-        states = GaugeMetricFamily("macspec_spec_rows", "Running requests by speculation state",
-                                   labels=["state"])
-        for state in ("on", "held", "off", "probing"):
-            states.add_metric([state], status["rows"]["states"].get(state, 0))
-        yield states
+        speedup = GaugeMetricFamily("macspec_spec_speedup", "Measured tokens per second while the "
+                                    "method drafts / plain decoding's, by batch bucket (its guard)",
+                                    labels=["method", "batch", "state"])
+        for method, buckets in status["policy"]["guards"].items():
+            for batch, guard in buckets.items():
+                speedup.add_metric([method, batch, guard["state"]], guard["speedup"] or 0.0)
+        yield speedup
         faults = CounterMetricFamily("macspec_speculation_faults", "Speculation bookkeeping faults "
                                      "(the row decoded plainly for that step)", labels=["source"])
         for source, count in status["speculation_faults"]["by_source"].items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 
@@ -27,6 +28,7 @@ class ChainRow:
     context: RowContext  # its tokens so far and what shapes its distribution
     k: int  # drafts it will verify (0: the row only keeps its proposer state current)
     rng: Rng
+    offer: "Offer | None" = None  # what its proposer offered for this step's plan
 
     @property
     def committed(self) -> list[int]:
@@ -36,6 +38,30 @@ class ChainRow:
     @property
     def params(self) -> SamplingParams:
         return self.context.params
+
+
+@dataclass
+class Offer:
+    """What a proposer can draft for one row this step, told to the plan before it."""
+
+    k_max: int  # the most it can draft (a lookup: the length of its match's draft)
+    kind: str = "drafts"  # whose acceptance applies: "drafts" (the method's), or a suffix
+    # match's source, "own" (the request's tokens) or "recent" (only other requests' answers)
+    chained: bool = False  # drafting runs the group's model chain (a lookup's does not)
+    tokens: list[int] | None = None  # a lookup's draft, found for the plan
+    probs: list[float] | None = None  # a lookup's path probability per position
+
+    def alphas(self, measured: list[float]) -> list[float]:
+        """Expected acceptance per position: what this kind achieved on the request, capped for
+        a lookup by the share of matching occurrences that agree on each token given the ones
+        before it (a match seen once promises nothing more than the kind's record)."""
+        if self.probs is None:
+            return measured
+        out, before = [], 1.0
+        for alpha, p in zip(measured, self.probs):
+            out.append(min(alpha, p / before if before > 0 else 0.0))
+            before = p
+        return out
 
 
 @dataclass
@@ -51,7 +77,7 @@ class ProposerGroup(ABC):
     # Drafts built lazily and evaluated in the step's one sync: timed by calibration (see
     # calibrate.py), since timing propose() would see only the graph being built.
     lazy_chain: bool = False
-    max_chain: int | None = None  # the deepest its chain runs for any k (None: k itself)
+    chain_k_max: int | None = None  # the deepest its chain drafts whatever k (None: k itself)
 
     @abstractmethod
     def join(self, key: int, committed: list[int], prompt_hidden: mx.array | None,
@@ -74,18 +100,11 @@ class ProposerGroup(ABC):
         """Drafts for the rows with k > 0 (lazy where the proposer is a model). `rows` covers
         every row the group holds."""
 
-    def outlook(self, row: ChainRow) -> list[float] | None:
-        """Before the plan, for a row that may draft up to `row.k`: its acceptance per draft
-        position this step when the group knows it better than the row's history does (a
-        hybrid's confident suffix match), else None. A row with an outlook drafts without
-        running the group's chain."""
-        return None
-
-    def draft_limit(self, row: ChainRow) -> int | None:
-        """Before the plan: the most this group can draft for the row this step when a lookup
-        already knows it (0: no match), else None. The plan counts on no more: a row without
-        a match gains nothing from a window the batch pays for."""
-        return None
+    def offer(self, row: ChainRow, alphas: Callable[[str], list[float]]) -> "Offer":
+        """Before the plan: what it can draft for the row this step (at most `row.k`), and from
+        which kind of draft. `alphas(kind)`: the request's measured acceptance per position for
+        that kind. A lookup finds its draft here and hands it to propose() in the offer."""
+        return Offer(row.k, chained=self.lazy_chain)
 
     def settle(self, accepted: dict[int, int]) -> None:
         """After verification: row key -> how many of its drafts were accepted."""

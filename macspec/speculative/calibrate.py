@@ -1,8 +1,8 @@
-"""Seed the planner's cost model at start: the target forward at a few (rows, window) shapes,
-and the proposer's chain step at one row and at four, so the first requests plan from
-measurements instead of guesses (the model refines itself online after that). A model proposer
-first asked for by a request (not the profile's) is timed when its group is made: its chain
-runs inside the step's one sync, so nothing times it online, and an untimed chain looks free."""
+"""Seed the step-cost table at start (costs.py), so the first steps plan from measurements: the
+target forward at 1, 4 and the largest batch, windows 1, 2 and k_max + 1, and each model
+proposer's chain step at one row and at four, added for the chain's depth. Every real step then
+replaces its cell's seed. A model proposer first asked for by a request (not the profile's) is
+timed when its group is made."""
 
 from __future__ import annotations
 
@@ -23,44 +23,33 @@ def calibrate(speculator: Speculator, runner, method: str, max_batch: int) -> No
     """`runner.time_forward(rows, window, repeats)` times the target; `runner.states_width` is
     the width of the states heads read (wider once an EAGLE-3 head's layers are tapped)."""
     k_max = max(1, speculator.settings.num_draft_tokens)
-    # The largest batch too: on a CPU a wide batch leaves the bandwidth-bound regime.
-    # An MoE target's window cost is curved (the experts it reads): one more window to fit it.
-    windows = sorted({1, 2, k_max + 1}) if speculator.planner.forward.moe else (1, k_max + 1)
+    forward = {}
     for rows in sorted({1, min(4, max_batch), max_batch}):
-        for window in windows:
-            for seconds in runner.time_forward(rows, window, 3)[1:]:  # the first pays one-off costs
-                speculator.planner.forward.observe(rows, window, seconds)
+        for window in sorted({1, 2, k_max + 1}):
+            forward[rows, window] = min(runner.time_forward(rows, window, 3)[1:])  # the first pays one-off costs
+            speculator.policy.costs.seed("", rows, window, forward[rows, window])
+    seed = lambda other: _seed_chain(speculator, other, k_max, runner.states_width, forward)  # noqa: E731
     if method != proposers.PLAIN:
-        speculator.guarded("cost_model", _calibrate_chain, speculator, method, k_max,
-                           runner.states_width, drop=method)
-    # A head loaded later (a request's method) may tap layers: read the width then.
-    speculator.calibrate_chain = lambda other: _calibrate_chain(speculator, other, k_max,
-                                                                runner.states_width)
-    costs = speculator.planner.as_dict()
-    logger.info("calibrated step costs (ms): target %s, draft chain %s", costs["forward_ms"],
-                costs["draft_chain_step_ms"])
+        speculator.guarded("cost_model", seed, method, drop=method)
+    speculator.calibrate_chain = seed  # a head loaded later may tap layers: read the width then
+    logger.info("calibrated step costs (ms): %s", speculator.policy.costs.as_dict())
 
 
-PROCESSED = SamplingParams(temperature=0.7)  # a sampled row: what processed drafting costs
+def _seed_chain(speculator: Speculator, method: str, k_max: int, width: int, forward: dict) -> None:
+    group = speculator.groups.get(method) or speculator.make_group(method)
+    one, four = _time_chain(speculator, method, k_max, width, 1), _time_chain(speculator, method, k_max, width, 4)
+    if one is None or four is None:
+        return  # a lookup: its drafts cost host work only, measured with the step
+    depth_cap = group.chain_k_max or k_max
+    for (rows, window), seconds in forward.items():
+        if window > 1:
+            chain_step = one + (four - one) * (rows - 1) / 3
+            speculator.policy.costs.seed(method, rows, window, seconds + chain_step * min(window - 1, depth_cap))
 
 
-def _calibrate_chain(speculator: Speculator, method: str, k_max: int, width: int) -> None:
-    """Seconds per chain step of a model proposer, on scratch rows of a scratch group: plain
-    greedy at one and four rows, and one sampled row (its processed distribution per draft)."""
-    seconds = {}
-    for count, params in ((1, SamplingParams()), (4, SamplingParams()), ("sampled", PROCESSED)):
-        seconds[count] = _time_chain(speculator, method, k_max, width, 1 if count == "sampled" else count,
-                                     params)
-        if seconds[count] is None:
-            return
-    speculator.planner.calibrate_proposer(method, seconds[1], 4, seconds[4])
-    speculator.planner.processed_cost[method] = max(0.0, seconds["sampled"] - seconds[1])
-
-
-def _time_chain(speculator: Speculator, method: str, k_max: int, width: int, count: int,
-                params: SamplingParams) -> float | None:
-    """Seconds per chain step over `count` scratch rows drafting with `params` (None: a host
-    proposer, timed as it runs)."""
+def _time_chain(speculator: Speculator, method: str, k_max: int, width: int, count: int) -> float | None:
+    """Seconds per chain step over `count` scratch rows of a scratch group (None: a host
+    proposer, whose cost is in the step's)."""
     group = speculator.make_group(method)
     if not group.lazy_chain:
         return None
@@ -72,8 +61,7 @@ def _time_chain(speculator: Speculator, method: str, k_max: int, width: int, cou
         group.join(key, committed, hidden)
     times = []
     for repeat in range(3):
-        rows = [ChainRow(key, RowContext(params, committed), k_max, Rng(0))
-                for key in range(count)]
+        rows = [ChainRow(key, RowContext(SamplingParams(), committed), k_max, Rng(0)) for key in range(count)]
         for key in range(count):
             group.observe(key, states[16 + 3 * key + repeat][None])
         t0 = time.perf_counter()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import ChainRow, Drafts, ProposerGroup
+from .base import ChainRow, Drafts, Offer, ProposerGroup
 
 
 def load(runtime, method: str, fallback: bool = True) -> None:
@@ -57,14 +57,14 @@ class NgramGroup(ProposerGroup):
     def leave(self, key: int) -> None:
         self.rows.pop(key, None)
 
-    def draft_limit(self, row: ChainRow) -> int | None:
-        return len(self.rows[row.key].lookup(row.committed, row.k))
+    def offer(self, row: ChainRow, alphas) -> Offer:
+        tokens = self.rows[row.key].lookup(row.committed, row.k) if row.k else []
+        return Offer(len(tokens), tokens=tokens)
 
     def propose(self, rows: list[ChainRow]) -> dict[int, Drafts]:
         out = {}
         for row in rows:
-            if row.k:
-                tokens = self.rows[row.key].lookup(row.committed, row.k)
-                if tokens:
-                    out[row.key] = Drafts(tokens)
+            offer = row.offer if row.offer is not None else self.offer(row, None)
+            if row.k and offer.tokens:
+                out[row.key] = Drafts(offer.tokens[:row.k])
         return out

@@ -1,16 +1,16 @@
 """Everything speculation keeps across steps and requests, behind one object the engine calls:
-one proposer group per method, the batch planner, acceptance priors and probe backoff, totals
-per method, and the one fault guard.
+one proposer group per method, a record per request (its proposer, k_max, acceptance per draft
+kind, counters), the acceptance priors across requests, the policy that decides k (policy.py),
+totals per method, and the one fault guard.
 
 Speculation is bookkeeping around the target: whatever raises in here costs speculation (this
-step's drafts, a row's proposer, or a method's group), never a request. The engine hands in its
-sequences (engine/sequence.py); this module reads their request id, method, proposer, controller
-and context, and sets `proposer`/`controller.k_max` when a fault costs a row its proposer.
+step's drafts, a request's proposer, or a method's group), never a request. The engine's
+Sequence holds its request's Record; only this module writes one.
 """
 
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
@@ -18,28 +18,49 @@ import mlx.core as mx
 from .. import faults, proposers
 from ..faults import SpecFaults
 from ..sampling import RowContext
-from .base import ChainRow, Drafts, ProposerGroup
-from .controller import AcceptancePrior, RowController
-from .planner import BatchPlanner
+from .acceptance import ALPHA_PRIOR, METHOD_MEMORY, Acceptance
+from .base import ChainRow, Drafts, Offer, ProposerGroup
+from .policy import PlanRow, Policy
 from .stats import SpecStats
 
 
+@dataclass
+class Record:
+    """One request's speculation."""
+
+    method: str
+    group: ProposerGroup | None  # its method's group; None: it decodes plainly
+    k_max: int  # the most it drafts a step
+    adaptive: bool  # False: k = k_max every step (a fixed-k request)
+    acceptance: dict[str, Acceptance]  # by draft kind (base.Offer.kind)
+    starts: dict[str, float]  # where a kind's first-position estimate starts on it
+    stats: SpecStats = field(default_factory=SpecStats)
+    offer: Offer | None = None  # its proposer's offer for this step
+    k: int = 0  # drafts verified in the last step
+
+    def alphas(self, kind: str) -> list[float]:
+        if kind not in self.acceptance:
+            self.acceptance[kind] = Acceptance(self.starts.get(kind))
+        return self.acceptance[kind].alphas(self.k_max)
+
+    def as_dict(self) -> dict:
+        return {"k_max": self.k_max, "adaptive": self.adaptive, "last_k": self.k,
+                "acceptance": {kind: [round(a, 3) for a in self.alphas(kind)] for kind in self.acceptance}}
+
+
 class Speculator:
-    def __init__(self, make_group: Callable[[str], ProposerGroup], settings, vocab_size: int,
-                 moe: tuple[int, int] | None = None):
+    def __init__(self, make_group: Callable[[str], ProposerGroup], settings, vocab_size: int):
         self.make_group = make_group  # method -> a fresh group for every row of that method
         self.settings = settings  # the profile's SpeculativeConfig
         self.vocab_size = vocab_size
-        self.planner = BatchPlanner(moe)  # moe: an MoE target's (experts, top-k), for step costs
+        self.policy = Policy(settings.probe_min_steps, settings.probe_max_steps)
         self.groups: dict[str, ProposerGroup] = {}
-        # Acceptance per draft position by method, across requests: a new request starts here.
-        self.priors: dict[str, AcceptancePrior] = {}
-        # Probe backoff by method, across requests: a useless proposer is not re-probed at the
-        # minimum interval by every new request.
-        self.probe_intervals: dict[str, int] = {}
+        # (method, kind) -> acceptance per draft position across requests: a new request starts here.
+        self.priors: dict[tuple[str, str], Acceptance] = {}
         self.totals: dict[str, SpecStats] = {}
         self.faults = SpecFaults()
-        # method -> times its chain into the planner (set by calibration; None: not calibrated).
+        self.step_rows: list[PlanRow] = []  # the last plan's view of its rows
+        # method -> seeds its chain's step costs (set by calibration; None: not calibrated).
         self.calibrate_chain: Callable[[str], None] | None = None
 
     # ---- a new request -----------------------------------------------------------------------
@@ -47,70 +68,66 @@ class Speculator:
         if method == proposers.PLAIN:
             return None
         if method not in self.groups:
-            group = self.groups[method] = self.make_group(method)
-            if group.max_chain is not None:
-                self.planner.chain_caps[method] = group.max_chain
-            if self.calibrate_chain is not None and method not in self.planner.chain_cost:
+            self.groups[method] = self.make_group(method)
+            if self.calibrate_chain is not None:
                 self.guarded("cost_model", self.calibrate_chain, method)  # drops nothing
         return self.groups[method]
 
-    def controller(self, method: str, k_max: int, adaptive: bool, processed: bool = False) -> RowController:
-        prior = self.priors.get(method)
-        return RowController(k_max, adaptive, method, self.settings.probe_min_steps,
-                             self.settings.probe_max_steps, prior=prior.alphas if prior else None,
-                             first_probe_interval=self.probe_intervals.get(method), processed=processed)
+    def admit(self, method: str, k_max: int, adaptive: bool, isolated: bool = False) -> Record:
+        """A request's record. `isolated`: its estimates start from no other request's (a seeded
+        sampling request replays exactly only if its choices do)."""
+        group = self.group(method)
+        starts = {} if isolated else {kind: prior.alphas(1)[0]
+                                      for (m, kind), prior in self.priors.items() if m == method}
+        for kind in ("own", "recent"):  # a lookup kind's record is the request's own: an edit
+            if kind in starts:  # restates where a chat never did, so each request tries afresh
+                starts[kind] = max(starts[kind], ALPHA_PRIOR)
+        return Record(method, group, 0 if group is None else k_max, adaptive, {}, starts)
 
     def start(self, seq, hidden: mx.array | None, hidden_start: int) -> None:
         """`seq`'s prompt is in and its first token committed: its proposer takes it on."""
         if self._orphaned(seq):
             return
-        self.guarded("proposer_start", seq.proposer.join, seq.request.id, seq.committed, hidden,
+        self.guarded("proposer_start", seq.spec.group.join, seq.request.id, seq.committed, hidden,
                      hidden_start=hidden_start, drop=seq)
 
     # ---- one decode step ---------------------------------------------------------------------
     def plan(self, seqs: list, max_context: int) -> list[int]:
-        """k for every row: the planner's choice, within each row's room; 0 without a proposer."""
+        """k for every row: the policy's choice within each row's room and its proposer's offer."""
         for seq in seqs:
             self._orphaned(seq)
         self._retain(seqs)
-        for seq in seqs:
-            self._look_ahead(seq, max_context)
-        ks = self.guarded("plan", self.planner.plan, [s.controller for s in seqs])
+        self.step_rows = [self._plan_row(seq, max_context) for seq in seqs]
+        ks = self.guarded("plan", self.policy.plan, self.step_rows)
         if ks is None or len(ks) != len(seqs):
             return [0] * len(seqs)
-        return [min(max(0, int(k)), seq.room(max_context)) if seq.proposer is not None else 0
-                for k, seq in zip(ks, seqs)]
+        return [min(max(0, int(k)), row.k_max) for k, row in zip(ks, self.step_rows)]
 
-    def _look_ahead(self, seq, max_context: int) -> None:
-        """What the row's proposer already knows of this step before the plan (controller.py:
-        `outlook`, `draft_limit`)."""
-        controller = seq.controller
-        controller.outlook = controller.draft_limit = None
-        if seq.proposer is None:
-            return
-        row = ChainRow(seq.request.id, seq.context(), min(controller.k_max, seq.room(max_context)), seq.rng)
-        controller.outlook = self.guarded("propose", seq.proposer.outlook, row, drop=seq)
-        if seq.proposer is not None:
-            controller.draft_limit = len(controller.outlook) if controller.outlook is not None else \
-                self.guarded("propose", seq.proposer.draft_limit, row, drop=seq)
+    def _plan_row(self, seq, max_context: int) -> PlanRow:
+        record = seq.spec
+        record.offer = None
+        k = min(record.k_max, seq.room(max_context))
+        if record.group is not None:
+            row = ChainRow(seq.request.id, seq.context(), k, seq.rng)
+            record.offer = self.guarded("propose", record.group.offer, row, record.alphas, drop=seq)
+        if record.offer is None:
+            return PlanRow(record.method, 0, [], fixed=not record.adaptive)
+        k = min(k, record.offer.k_max)
+        return PlanRow(record.method, k, record.offer.alphas(record.alphas(record.offer.kind)),
+                       record.offer.chained, fixed=not record.adaptive)
 
     def propose(self, seqs: list, ks: list[int]) -> list[Drafts | None]:
         """Each group drafts for all of its rows; a fault costs that group's rows their drafts."""
         out: list[Drafts | None] = [None] * len(seqs)
         for method, group in list(self.groups.items()):
-            members = [(i, s) for i, s in enumerate(seqs) if s.proposer is group]
+            members = [(i, s) for i, s in enumerate(seqs) if s.spec.group is group]
             if not any(ks[i] for i, _ in members):
                 continue
-            t0 = time.perf_counter()
-            chain = [ChainRow(s.request.id, _draft_context(s, ks[i]), ks[i], s.rng) for i, s in members]
+            chain = [ChainRow(s.request.id, _draft_context(s, ks[i]), ks[i], s.rng, s.spec.offer)
+                     for i, s in members]
             drafts = self.guarded("propose", self._checked_drafts, group, chain, drop=method)
-            if drafts is None:
-                continue
-            if not group.lazy_chain:  # host proposers are timed here
-                self.guarded("cost_model", self.planner.observe_proposer, method,
-                             max(ks[i] for i, _ in members), time.perf_counter() - t0)
             for i, s in members:
-                out[i] = drafts.get(s.request.id)
+                out[i] = (drafts or {}).get(s.request.id)
         return out
 
     def cache_arrays(self) -> list:
@@ -118,31 +135,39 @@ class Speculator:
         return [a for group in self.groups.values() for a in group.cache_arrays()]
 
     def observe(self, seq, drafted: int, accepted: int, emitted: int, hidden: mx.array) -> None:
-        """One row's outcome: its stats, its proposer's view of the target, its controller."""
-        seq.stats.spec.observe_step(drafted, accepted, emitted)
-        self.totals.setdefault(seq.method, SpecStats()).observe_step(drafted, accepted, emitted)
-        if not self._orphaned(seq) and seq.proposer.needs_hidden:
+        """One row's outcome: its counters, its proposer's view of the target, its acceptance."""
+        record = seq.spec
+        record.k = drafted
+        record.stats.observe_step(drafted, accepted, emitted)
+        self.totals.setdefault(record.method, SpecStats()).observe_step(drafted, accepted, emitted)
+        if not self._orphaned(seq) and record.group.needs_hidden:
             seq.keep_states(hidden)
-            self.guarded("proposer_observe", seq.proposer.observe, seq.request.id, hidden, drop=seq)
-        self.guarded("controller", self._observe_controller, seq.controller, drafted, accepted)
+            self.guarded("proposer_observe", record.group.observe, seq.request.id, hidden, drop=seq)
+        if drafted and record.offer is not None:
+            self.guarded("acceptance", self._observe_acceptance, record, record.offer.kind, drafted, accepted)
+
+    def _observe_acceptance(self, record: Record, kind: str, drafted: int, accepted: int) -> None:
+        record.alphas(kind)  # made from its start if this is its first
+        record.acceptance[kind].observe(drafted, accepted)
+        prior = self.priors.setdefault((record.method, kind), Acceptance(memory=METHOD_MEMORY))
+        prior.observe(drafted, accepted)
 
     def settle(self, accepted: dict[int, int]) -> None:
         """Every group rolls its rows back to the drafts they kept."""
         for method, group in list(self.groups.items()):
             self.guarded("proposer_observe", group.settle, accepted, drop=method)
 
-    def observe_step(self, seqs: list, ks: list[int], width: int, forward_s: float, commit_s: float) -> None:
-        """The step's measured cost (a window `width` wide), drafting taken out, refines the
-        planner's cost model."""
-        drafting = self.guarded("cost_model", self.planner.draft_seconds, [s.controller for s in seqs], ks)
-        self.guarded("cost_model", self.planner.observe_step, len(seqs), width,
-                     max(forward_s - (drafting or 0.0), 0.0), commit_s, drafting or 0.0)
+    def observe_step(self, ks: list[int], seconds: float, tokens: int) -> None:
+        """The step just run (plan to commit) and the tokens it committed, for the policy."""
+        if len(ks) == len(self.step_rows):
+            self.guarded("cost_model", self.policy.observe_step, self.step_rows, ks, seconds, tokens)
 
     # ---- ends --------------------------------------------------------------------------------
     def leave(self, seq) -> None:
-        if seq.proposer is not None and seq.proposer is self.groups.get(seq.method):
-            self.guarded("proposer_observe", seq.proposer.leave, seq.request.id, drop=seq.method)
-        seq.proposer = None
+        record = seq.spec
+        if record.group is not None and record.group is self.groups.get(record.method):
+            self.guarded("proposer_observe", record.group.leave, seq.request.id, drop=record.method)
+        record.group = None
 
     def reset(self) -> None:
         """Every row is gone (a failed step): fresh groups for the next requests."""
@@ -163,15 +188,14 @@ class Speculator:
                 source = f"proposer:{drop}"
                 self.groups.pop(drop, None)
             elif drop is not None:
-                source = f"proposer:{drop.method}"
+                source = f"proposer:{drop.spec.method}"
                 self._drop_proposer(drop)
             self.faults.record(source, exc)
             return None
 
     def _drop_proposer(self, seq) -> None:
         """This row decodes plainly from now on; its group forgets it."""
-        group, seq.proposer = seq.proposer, None
-        seq.controller.k_max = 0
+        group, seq.spec.group, seq.spec.k_max = seq.spec.group, None, 0
         if group is not None:
             try:
                 group.leave(seq.request.id)
@@ -180,18 +204,18 @@ class Speculator:
 
     def _orphaned(self, seq) -> bool:
         """A row whose group was dropped after a fault decodes plainly (-> True)."""
-        if seq.proposer is None:
+        record = seq.spec
+        if record.group is None:
             return True
-        if seq.proposer is self.groups.get(seq.method):
+        if record.group is self.groups.get(record.method):
             return False
-        seq.proposer = None
-        seq.controller.k_max = 0
+        record.group, record.k_max = None, 0
         return True
 
     def _retain(self, seqs: list) -> None:
         """Rows that left the batch (finished, cancelled, failed) leave their group."""
         for method, group in list(self.groups.items()):
-            live = {s.request.id for s in seqs if s.proposer is group}
+            live = {s.request.id for s in seqs if s.spec.group is group}
             for key in group.keys:
                 if key not in live:
                     self.guarded("proposer_observe", group.leave, key, drop=method)
@@ -203,18 +227,6 @@ class Speculator:
                 raise ValueError(f"proposed token id out of range [0, {self.vocab_size})")
         return drafts
 
-    def _observe_controller(self, controller: RowController, drafted: int, accepted: int) -> None:
-        if controller.k_max == 0:  # plain decoding: nothing to decide
-            return
-        if controller.outlook is not None:  # a lookup's step: its group tracks how those hold
-            controller.last_k = drafted
-            return
-        controller.observe(drafted, accepted, not controller.adaptive or self.planner.pays_alone(controller))
-        if controller.num_probes:
-            self.probe_intervals[controller.method] = controller.probe_interval
-        if drafted:
-            self.priors.setdefault(controller.method, AcceptancePrior()).observe(drafted, accepted)
-
     # ---- across runs and for /v1/status --------------------------------------------------------
     def remembered_priors(self, path, target: str) -> Callable[[], None]:
         """Load the acceptance priors saved at `path` for this target and each method's own
@@ -224,15 +236,21 @@ class Speculator:
         keys = {p.name: priors.pair_key(p.name, target, proposers.own_model(p.name, self.settings),
                                         paired=p.model_key is not None)
                 for p in proposers.PROPOSERS}
-        self.priors.update({m: AcceptancePrior(a) for m, a in priors.load(path, keys).items()})
-        return lambda: priors.save(path, keys, {m: p.alphas for m, p in self.priors.items()})
+        for method, alphas in priors.load(path, keys).items():
+            self.priors[(method, "drafts")] = Acceptance(alphas[0], memory=METHOD_MEMORY)
+        return lambda: priors.save(path, keys, {m: p.alphas(self.settings.num_draft_tokens)
+                                                for (m, kind), p in self.priors.items() if kind == "drafts"})
 
     def status(self) -> dict:
+        acceptance: dict = {}
+        for (method, kind), prior in sorted(self.priors.items()):
+            acceptance.setdefault(method, {})[kind] = [round(a, 3) for a in prior.alphas(
+                max(len(prior.trials), 1))]
         return {
             "speculation": {m: st.as_dict() for m, st in self.totals.items()},
             "speculation_faults": self.faults.as_dict(),
-            "acceptance_priors": {m: [round(a, 3) for a in p.alphas] for m, p in self.priors.items()},
-            "cost_model": self.planner.as_dict(),
+            "acceptance_priors": acceptance,
+            "policy": self.policy.as_dict(),
         }
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from .base import ChainRow, Drafts, ProposerGroup
+from .base import ChainRow, Drafts, Offer, ProposerGroup
 
 ANCHORS = (4, 2)  # anchor n-gram sizes, longest first: a 2-gram only when no 4-gram matches
 MAX_MATCH = 48  # how far back a match is measured
@@ -130,7 +130,6 @@ class SuffixGroup(ProposerGroup):
         self.cache_requests = cache_requests
         self.factor = factor
         self.min_prob = min_prob
-        self.planned: dict[int, tuple[int, list[int]]] = {}  # key -> (committed length, draft) at the plan
 
     @property
     def keys(self) -> list[int]:
@@ -144,7 +143,6 @@ class SuffixGroup(ProposerGroup):
         """Its output joins the recent answers other requests draft from, behind the end of its
         prompt (a new request's first draft matches across its own prompt's end)."""
         index = self.rows.pop(key, None)
-        self.planned.pop(key, None)
         start = self.prompt_lengths.pop(key, 0)
         if index is None or not self.cache_requests or len(index.tokens) - start < 2:
             return
@@ -152,19 +150,16 @@ class SuffixGroup(ProposerGroup):
         while len(self.recent) > self.cache_requests:
             self.recent.popitem(last=False)
 
-    def draft_limit(self, row: ChainRow) -> int | None:
+    def offer(self, row: ChainRow, alphas) -> Offer:
         found = self.lookup(row.key, row.committed, row.k, with_recent(row))
-        self.planned[row.key] = (len(row.committed), found.tokens)
-        return len(found.tokens)
+        return Offer(len(found.tokens), kind=found.source, tokens=found.tokens, probs=found.probs)
 
     def propose(self, rows: list[ChainRow]) -> dict[int, Drafts]:
         out = {}
         for row in rows:
-            at, tokens = self.planned.pop(row.key, (-1, []))
-            if at != len(row.committed):  # not looked up for this step's plan
-                tokens = self.lookup(row.key, row.committed, row.k, with_recent(row)).tokens
-            if tokens[:row.k]:  # a walk cut shorter is a prefix of the longer one
-                out[row.key] = Drafts(tokens[:row.k])
+            offer = row.offer if row.offer is not None else self.offer(row, None)
+            if row.k and offer.tokens:  # a walk cut shorter is a prefix of the longer one
+                out[row.key] = Drafts(offer.tokens[:row.k])
         return out
 
     def lookup(self, key: int, committed: list[int], k: int, recent: bool = True) -> "Lookup":

@@ -1,0 +1,57 @@
+"""Acceptance per draft position: the one estimator, for a request's drafts of each kind and for a
+method's drafts across requests (the prior a new request starts from).
+
+alpha_i is the chance that draft i is accepted given drafts 1..i-1 were; a step with k drafts
+then commits E(k) = 1 + a_1 + a_1·a_2 + ... tokens on average.
+"""
+
+from __future__ import annotations
+
+ALPHA_PRIOR = 0.7  # a position nothing has measured: optimistic, so that drafting is tried
+PRIOR_TRIALS = 3.0  # what a start weighs, in observations: the first real ones move it at once
+REQUEST_MEMORY = 16.0  # observations a request's estimate averages over (a stretch, not a word)
+METHOD_MEMORY = 200.0  # observations a method's prior across requests averages over
+
+
+def expected_tokens(alphas: list[float], k: int) -> float:
+    """E(k): the tokens a step with k drafts commits on average."""
+    total, run = 1.0, 1.0
+    for alpha in alphas[:k]:
+        run *= alpha
+        total += run
+    return total
+
+
+class Acceptance:
+    """Hits and trials per position, decayed at every observation (evidence ages with the
+    request's steps, whichever positions they reached), on top of PRIOR_TRIALS pseudo-trials: at
+    `start` for the first position (a method's prior, or ALPHA_PRIOR), at the estimate of the
+    position before for the others. A position rarely reached therefore drifts back to the one
+    before it: neither a start nor one bad stretch caps k, and the deeper drafts get measured."""
+
+    def __init__(self, start: float | None = None, memory: float = REQUEST_MEMORY):
+        self.start = ALPHA_PRIOR if start is None else start
+        self.decay = 1.0 - 1.0 / memory
+        self.hits: list[float] = []
+        self.trials: list[float] = []
+
+    def alphas(self, depth: int) -> list[float]:
+        out: list[float] = []
+        for i in range(depth):
+            hits, trials = (self.hits[i], self.trials[i]) if i < len(self.trials) else (0.0, 0.0)
+            pseudo = out[-1] if out else self.start
+            out.append((hits + pseudo * PRIOR_TRIALS) / (trials + PRIOR_TRIALS))
+        return out
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A step verified `drafted` drafts and accepted the first `accepted`: positions up to the
+        first rejection were reached."""
+        while len(self.trials) < drafted:
+            self.hits.append(0.0)
+            self.trials.append(0.0)
+        for i in range(len(self.trials)):
+            self.hits[i] *= self.decay
+            self.trials[i] *= self.decay
+        for i in range(min(accepted + 1, drafted)):
+            self.hits[i] += 1.0 if i < accepted else 0.0
+            self.trials[i] += 1.0

@@ -1,0 +1,107 @@
+"""What a decode step costs, measured: seconds per step by (chain, batch bucket, window), from the
+steps actually run, plain ones included. The number is the whole step (plan, drafting, target
+forward, verification, commit), so whatever a step really costs is in it: an MoE target's expert
+reads, a head's marginal cost, sampled rows, host work.
+
+`chain` names the proposers whose draft chain ran in the step ("" when none did: plain steps and
+lookup drafts); the window is k + 1 positions per row. Start-up calibration seeds cells; a seed
+stands until the first real step of its cell, and that step rescales its bucket's other seeds
+by how far it was off (calibration times the forward alone, not the host work). A cell nothing measured or seeded is read off its
+neighbours: linear in the window at its bucket, then linear in rows between buckets, flat beyond
+the measured range; a chain never timed costs what the forward alone does (so it gets tried).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+COST_MEMORY = 16.0  # steps a cell averages over: a step's noise (±15 % here) averages out, a
+# change of load is followed within ~16 steps
+
+
+def bucket(rows: int) -> int:
+    """Batch sizes sharing a cell: 1, 2, 3, 4 each, then up to the next power of two."""
+    return rows if rows <= 4 else 1 << (rows - 1).bit_length()
+
+
+@dataclass
+class Cell:
+    seconds: float
+    steps: float = 0.0  # real steps averaged (decayed); 0: a calibration seed
+    last: int = 0  # the step counter when it was last measured
+
+
+class StepCosts:
+    def __init__(self):
+        self.cells: dict[tuple[str, int, int], Cell] = {}
+        self.clock = 0  # steps observed
+
+    def observe(self, chain: str, rows: int, window: int, seconds: float) -> None:
+        if not math.isfinite(seconds) or seconds <= 0:
+            return  # a clock glitch must not poison the table
+        self.clock += 1
+        b = bucket(rows)
+        cell = self.cells.get((chain, b, window))
+        if cell is None or not cell.steps:
+            if cell is not None:  # a seed's first real step: the bucket's other seeds lacked the
+                self._rescale_seeds(b, seconds / cell.seconds)  # same host work, say by as much
+            self.cells[(chain, b, window)] = Cell(seconds, 1.0, self.clock)
+            return
+        cell.steps = min(cell.steps + 1.0, COST_MEMORY)
+        cell.seconds += (seconds - cell.seconds) / cell.steps
+        cell.last = self.clock
+
+    def seed(self, chain: str, rows: int, window: int, seconds: float) -> None:
+        cell = self.cells.get((chain, bucket(rows), window))
+        if cell is None or not cell.steps:
+            self.cells[(chain, bucket(rows), window)] = Cell(seconds)
+
+    def _rescale_seeds(self, b: int, ratio: float) -> None:
+        for (_, bb, _), cell in self.cells.items():
+            if bb == b and not cell.steps:
+                cell.seconds *= ratio
+
+    def measured_since(self, rows: int) -> int | None:
+        """Steps since a plain step at this bucket was measured (None: never)."""
+        cell = self.cells.get(("", bucket(rows), 1))
+        return self.clock - cell.last if cell is not None and cell.steps else None
+
+    def seconds(self, chain: str, rows: int, window: int) -> float:
+        b = bucket(rows)
+        cell = self.cells.get((chain, b, window))
+        if cell is not None:
+            return cell.seconds
+        by_bucket = {bb: self._over_windows(chain, bb, window)
+                     for (c, bb, _) in self.cells if c == chain}
+        value = _interpolate(by_bucket, b)
+        if value is None:
+            return self.seconds("", rows, window) if chain else 1e-3
+        return value
+
+    def _over_windows(self, chain: str, b: int, window: int) -> float:
+        return _interpolate({w: cell.seconds for (c, bb, w), cell in self.cells.items()
+                             if c == chain and bb == b}, window)
+
+    def as_dict(self) -> dict:
+        out: dict = {}
+        for (chain, b, window), cell in sorted(self.cells.items()):
+            out.setdefault(chain or "none", {}).setdefault(str(b), {})[str(window)] = \
+                round(cell.seconds * 1e3, 3) if cell.steps else f"{cell.seconds * 1e3:.3f} (calibrated)"
+        return out
+
+
+def _interpolate(points: dict[int, float], x: int) -> float | None:
+    """Linear between the nearest known points around x; flat beyond them; None with none."""
+    if not points:
+        return None
+    below = [p for p in points if p <= x]
+    above = [p for p in points if p >= x]
+    if not below:
+        return points[min(above)]
+    if not above:
+        return points[max(below)]
+    lo, hi = max(below), min(above)
+    if lo == hi:
+        return points[lo]
+    return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)

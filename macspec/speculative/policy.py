@@ -1,0 +1,174 @@
+"""Deciding k, by measurement (docs/architecture.md, "The policy", explains it on one page).
+
+Each step the plan picks the window W and the proposers that draft, whichever maximise the
+batch's expected committed tokens per second, sum_i E_i(k_i) / seconds(chain, B, W): E from each
+request's measured acceptance (acceptance.py), seconds from the step-cost table (costs.py). A
+drafting row takes all the k its window allows (min(W - 1, its k_max)): the window is paid for.
+
+A throughput guard per (method, batch bucket) keeps the promise: it compares the committed tokens
+per second of the steps that method drafted in against plain decoding's, both measured at that
+bucket. Trailing plain by more than GUARD_MARGIN turns the method off there; a probe of
+PROBE_STEPS speculative steps re-measures it after `interval` steps, the interval doubling while
+probes lose (profile: probe_min_steps .. probe_max_steps). A method the plan leaves idle for an
+interval is probed the same way, and a method is tried (probed) at a bucket before anything there
+can turn it off: nothing is off before it was measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .acceptance import expected_tokens
+from .costs import StepCosts, bucket
+
+GUARD_MARGIN = 0.03  # speculation may trail plain by this much before it stops: noise, not loss
+PROBE_STEPS = 4  # speculative steps a probe measures (the steps of a first trial too)
+GUARD_MEMORY = 64  # steps a guard's comparison spans (a stretch of hard text is not a loss), and
+# how often plain decoding is re-measured while speculating (today's load, not the calibration's)
+EXPLORE_STEPS = 32  # the plan's runner-up once in this many steps (costs at most ~1/32 of a gap)
+DECAY = 1.0 - 1.0 / GUARD_MEMORY
+
+
+@dataclass
+class PlanRow:
+    """One row as the plan sees it."""
+
+    method: str
+    k_max: int  # the most it may draft this step (its cap, its room, its proposer's offer)
+    alphas: list[float]  # its expected acceptance per position for this step's offer
+    chained: bool = True  # drafting runs its method's chain (a lookup's drafts do not)
+    fixed: bool = False  # a fixed-k request: k = k_max whatever the plan
+
+
+@dataclass
+class Guard:
+    """One method at one batch bucket: its measured speed-up over plain decoding."""
+
+    interval: int  # steps before the next probe while off (or left idle by the plan)
+    probe_left: int = PROBE_STEPS
+    allowed: bool = True
+    waited: int = 0  # steps it could have drafted here and did not
+    plain_s: float = 0.0  # seconds plain decoding would have taken for its steps' tokens (decayed)
+    spent_s: float = 0.0  # seconds those steps took (decayed)
+    steps: float = 0.0
+
+    @property
+    def speedup(self) -> float | None:
+        return self.plain_s / self.spent_s if self.spent_s > 0 else None
+
+    @property
+    def state(self) -> str:
+        return "probing" if self.probe_left else "on" if self.allowed else "off"
+
+    def restart(self, probe: int = PROBE_STEPS) -> None:
+        self.probe_left, self.waited = probe, 0
+        self.plain_s = self.spent_s = self.steps = 0.0
+
+
+class Policy:
+    def __init__(self, probe_min_steps: int = 64, probe_max_steps: int = 4096):
+        self.costs = StepCosts()
+        self.guards: dict[tuple[str, int], Guard] = {}
+        self.probe_steps = (probe_min_steps, max(probe_min_steps, probe_max_steps))
+
+    def guard(self, method: str, rows: int) -> Guard:
+        key = (method, bucket(rows))
+        if key not in self.guards:
+            self.guards[key] = Guard(self.probe_steps[0])
+        return self.guards[key]
+
+    # ---- a step's decision -------------------------------------------------------------------
+    def plan(self, rows: list[PlanRow]) -> list[int]:
+        """k for every row. A decision, not a query: it advances the guards' waits and probes."""
+        fixed = [row.k_max if row.fixed else 0 for row in rows]
+        free = sorted({row.method for row in rows if not row.fixed and row.k_max > 0})
+        if not free:
+            return fixed
+        if not any(fixed) and self._plain_due(len(rows)):
+            return fixed
+        guards = {m: self.guard(m, len(rows)) for m in free}
+        must = [m for m in free if guards[m].probe_left]
+        allowed = [m for m in free if guards[m].allowed or guards[m].probe_left]
+        ranked = []
+        for window in range(1 if not must else 2, max(row.k_max for row in rows) + 2):
+            for mask in range(1 << len(allowed)):
+                on = {m for j, m in enumerate(allowed) if mask >> j & 1}
+                if not set(must) <= on or (window > 1) != bool(on):
+                    continue
+                ks = [f if row.fixed else min(window - 1, row.k_max) if row.method in on else 0
+                      for f, row in zip(fixed, rows)]
+                ranked.append((self.expected_rate(rows, ks), -len(ranked), ks))
+        ranked.sort(reverse=True)
+        # Now and then the runner-up, once: its cell and deeper drafts measured again (a cell
+        # measured once, high by noise, or a position rejected once would otherwise stand).
+        explore = len(ranked) > 1 and self.costs.clock % EXPLORE_STEPS == EXPLORE_STEPS - 1
+        ks = ranked[1 if explore else 0][2] if ranked else fixed
+        self._count_waits(rows, ks, guards)
+        return ks
+
+    def expected_rate(self, rows: list[PlanRow], ks: list[int]) -> float:
+        tokens = sum(expected_tokens(row.alphas, k) for row, k in zip(rows, ks))
+        return tokens / self.costs.seconds(chain_of(rows, ks), len(rows), max(ks) + 1)
+
+    def _plain_due(self, rows: int) -> bool:
+        since = self.costs.measured_since(rows)
+        return since is None or since >= GUARD_MEMORY
+
+    def _count_waits(self, rows: list[PlanRow], ks: list[int], guards: dict[str, Guard]) -> None:
+        drafted = {row.method for row, k in zip(rows, ks) if k}
+        for method, guard in guards.items():
+            if method in drafted:
+                guard.waited = 0
+                continue
+            guard.waited += 1
+            if guard.waited >= guard.interval:  # off, or idle by the plan: measure it again
+                guard.restart()
+
+    # ---- a step's measurement ----------------------------------------------------------------
+    def observe_step(self, rows: list[PlanRow], ks: list[int], seconds: float, tokens: int) -> None:
+        """The step just run: `seconds` from plan to commit, `tokens` committed over all rows."""
+        plain_s = self.costs.seconds("", len(rows), 1)
+        self.costs.observe(chain_of(rows, ks), len(rows), max(ks, default=0) + 1, seconds)
+        for method in {row.method for row, k in zip(rows, ks) if k and not row.fixed}:
+            guard = self.guard(method, len(rows))
+            guard.plain_s = guard.plain_s * DECAY + tokens / len(rows) * plain_s
+            guard.spent_s = guard.spent_s * DECAY + seconds
+            guard.steps += 1
+            if guard.probe_left:
+                guard.probe_left -= 1
+                if not guard.probe_left:
+                    self._judge(guard, ended_probe=True)
+            elif guard.steps >= GUARD_MEMORY / 4:  # a few steps after a probe are no verdict
+                self._judge(guard, ended_probe=False)
+
+    def _judge(self, guard: Guard, ended_probe: bool) -> None:
+        losing = guard.speedup is not None and guard.speedup < 1.0 - GUARD_MARGIN
+        if losing and ended_probe:
+            guard.interval = min(2 * guard.interval, self.probe_steps[1])
+        elif ended_probe:
+            guard.interval = self.probe_steps[0]
+        guard.allowed = not losing
+
+    # ---- reporting ---------------------------------------------------------------------------
+    def explain(self, method: str, rows: int = 1) -> str:
+        """One line on where `method` stands at this batch size, for a stats line."""
+        guard = self.guards.get((method, bucket(rows)))
+        if guard is None:
+            return "not measured yet"
+        measured = f"measured {guard.speedup:.2f}x plain" if guard.speedup else "not measured yet"
+        if guard.state == "off":
+            return f"off at batch {rows}: {measured}; probed again within {guard.interval - guard.waited} steps"
+        return f"{guard.state} at batch {rows}: {measured}"
+
+    def as_dict(self) -> dict:
+        guards: dict = {}
+        for (method, b), g in sorted(self.guards.items()):
+            guards.setdefault(method, {})[str(b)] = {
+                "state": g.state, "speedup": round(g.speedup, 3) if g.speedup else None,
+                "probe_interval": g.interval}
+        return {"step_ms": self.costs.as_dict(), "guards": guards}
+
+
+def chain_of(rows: list[PlanRow], ks: list[int]) -> str:
+    """The methods whose draft chain a step with these ks runs ("" for none)."""
+    return ",".join(sorted({row.method for row, k in zip(rows, ks) if k and row.chained}))

@@ -1,0 +1,108 @@
+"""The policy on a simulated clock: step costs from tables measured on the development machine
+(docs/benchmarks.md), acceptance drawn per draft position from a seeded stream, rows that each
+keep their own estimate as the speculator does. No wall clock: every run is deterministic.
+
+A run returns committed tokens per simulated second, so the policy (adaptive k) can be compared
+with plain decoding and with every fixed k on the same streams.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from macspec.speculative.acceptance import METHOD_MEMORY, Acceptance
+from macspec.speculative.policy import PlanRow, Policy
+
+# Target forward ms by batch size, per window W = 1..5 (docs/benchmarks.md: "MoE targets: the
+# stand-in and its cost surface", 2026-11-24; SmolLM2 with its EAGLE-3 head, 2026-11-25), and
+# the draft chain's ms per step by batch size.
+TABLES = {
+    "tiny-wide": ({1: [60.4, 76.7, 77.3, 77.9, 94.8], 4: [78.5, 70.7, 108.3, 95.8, 132.7],
+                   16: [98.7, 145.1, 191.5, 236.9, 289.2]}, {1: 3.0, 4: 4.0, 16: 6.0}),
+    "tiny-moe": ({1: [23.8, 34.0, 42.8, 52.1, 62.6], 4: [51.2, 94.2, 131.6, 169.5, 205.8],
+                  16: [170.6, 319.0, 467.4, 607.3, 745.5]}, {1: 3.0, 4: 4.0, 16: 6.0}),
+    "smollm2": ({1: [50.0, 58.0, 61.0, 64.0, 68.0]}, {1: 3.0}),
+}
+
+# Acceptance of draft i given 1..i-1 accepted, per position.
+HEADS = {
+    "useless": (0.0, 0.0, 0.0, 0.0),
+    "weak": (0.3, 0.3, 0.3, 0.3),
+    "eagle3": (0.45, 0.42, 0.47, 0.40),  # SmolLM2's EAGLE-3 head, held out
+    "good": (0.75, 0.6, 0.6, 0.6),  # tiny-moe's MTP head
+    "echo": (0.95, 0.95, 0.95, 0.95),  # a request restating its context
+}
+
+
+@dataclass
+class Stream:
+    """How acceptance moves over a request: steady, in easy and hard stretches, or dropping to
+    nothing half-way (a request that stops restating its context)."""
+
+    head: str
+    shape: str = "steady"  # "steady", "stretches", "drop"
+
+    def alphas(self, rng: random.Random, step: int, steps: int, state: dict) -> list[float]:
+        base = list(HEADS[self.head])
+        if self.shape == "stretches":
+            if rng.random() < 0.05:
+                state["hard"] = not state.get("hard", False)
+            swing = -0.3 if state.get("hard") else 0.2
+            return [min(0.97, max(0.0, a + swing)) if a else 0.0 for a in base]
+        if self.shape == "drop" and step >= steps // 2:
+            return [0.0] * len(base)
+        return base
+
+
+def run(table: str, rows: int, stream: Stream, k: int | None, steps: int = 400, seed: int = 0,
+        k_max: int = 4, noise: float = 0.1, calibration_bias: float = 1.3) -> float:
+    """Tokens per simulated second for `rows` rows decoding `steps` steps: k None = the policy,
+    else a fixed k for every row. Each step's time is the table's, times up to ±`noise`; the
+    policy's table starts from a calibration that read every cell `calibration_bias` too high
+    (measured under load)."""
+    forward, chain = TABLES[table]
+    size = min(forward, key=lambda b: abs(b - rows))
+    rng = random.Random(seed)
+    policy = Policy(probe_min_steps=64, probe_max_steps=4096)
+    for window in (1, 2, k_max + 1):
+        policy.costs.seed("", rows, window, forward[size][window - 1] / 1e3 * calibration_bias)
+        if window > 1:
+            cost = (forward[size][window - 1] + chain[size] * (window - 1)) / 1e3
+            policy.costs.seed("sim", rows, window, cost * calibration_bias)
+    prior = Acceptance(memory=METHOD_MEMORY)
+    estimates = [Acceptance(prior.alphas(1)[0]) for _ in range(rows)]
+    states = [{} for _ in range(rows)]
+    spent, tokens = 0.0, 0
+    for step in range(steps):
+        plan_rows = [PlanRow("sim", k_max, e.alphas(k_max), fixed=k is not None) for e in estimates]
+        if k is not None:
+            ks = [k] * rows
+        else:
+            ks = policy.plan(plan_rows)
+        window = max(ks) + 1
+        seconds = (forward[size][window - 1] + (chain[size] * (window - 1))) / 1e3
+        seconds *= 1.0 + rng.uniform(-noise, noise)
+        committed = 0
+        for i in range(rows):
+            truth = stream.alphas(rng, step, steps, states[i])
+            accepted = 0
+            while accepted < ks[i] and rng.random() < truth[accepted]:
+                accepted += 1
+            if ks[i]:
+                estimates[i].observe(ks[i], accepted)
+                prior.observe(ks[i], accepted)
+            committed += accepted + 1
+        if k is None:
+            policy.observe_step(plan_rows, ks, seconds, committed)
+        spent += seconds
+        tokens += committed
+    return tokens / spent
+
+
+def compare(table: str, rows: int, stream: Stream, seeds: int = 3, **kw) -> dict:
+    """Mean tokens per second over `seeds` seeded runs: plain, each fixed k and the policy."""
+    out = {}
+    for name, k in [("plain", 0), ("k=1", 1), ("k=2", 2), ("k=3", 3), ("k=4", 4), ("adaptive", None)]:
+        out[name] = sum(run(table, rows, stream, k, seed=s, **kw) for s in range(seeds)) / seeds
+    return out
