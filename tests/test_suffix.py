@@ -108,3 +108,22 @@ def test_a_seeded_sampling_request_drafts_from_its_own_context_only():
     rows = [ChainRow(2, RowContext(seeded, context), 16, Rng(5))]
     assert group.propose(rows) == {}
     assert _propose(group, 2, context, 16) == answer[12:24]  # greedy (or unseeded): lossless anyway
+
+
+@pytest.mark.slow
+def test_the_hybrid_drafts_a_restated_answer_from_its_index_and_the_rest_from_its_model():
+    """`mtp+suffix`: where the answer restates an earlier one the suffix draft is expected to
+    yield more and is verified (many tokens a step); elsewhere the MTP head drafts. Each kind's
+    acceptance is measured on the request; the output equals plain decoding, adaptive or not."""
+    runtime = tiny_runtime("mtp+suffix")
+    prompt = runtime.tokenizer.encode("import os\nimport sys\n\n\ndef main(argv):\n", add_special_tokens=False)
+    engine = engine_for(runtime)
+    [plain] = engine.generate([prompt], SamplingParams(), 64, method="none", ignore_eos=True)
+    first, second = (engine.generate([prompt], SamplingParams(), 64, method="mtp+suffix", adaptive=False,
+                                     ignore_eos=True)[0] for _ in range(2))
+    assert first.tokens == plain.tokens and second.tokens == plain.tokens
+    assert "drafts" in first.stats["spec"]["acceptance_estimate"], first.stats["spec"]  # the head's
+    kinds = second.stats["spec"]["acceptance_estimate"]
+    assert {"own", "recent"} & set(kinds) and second.stats["tokens_per_forward"] > 4.0, second.stats
+    [adaptive] = engine.generate([prompt], SamplingParams(), 64, method="mtp+suffix", ignore_eos=True)
+    assert adaptive.tokens == plain.tokens
