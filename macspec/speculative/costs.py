@@ -72,16 +72,14 @@ class StepCosts:
         cell = self.cells.get((chain, b, window))
         if cell is not None:
             return cell.seconds
-        by_bucket = {bb: self._over_windows(chain, bb, window)
-                     for (c, bb, _) in self.cells if c == chain}
-        value = _interpolate(by_bucket, b)
+        by_bucket: dict[int, dict[int, float]] = {}
+        for (c, bb, w), known in self.cells.items():
+            if c == chain:
+                by_bucket.setdefault(bb, {})[w] = known.seconds
+        value = _interpolate({bb: _interpolate(ws, window) for bb, ws in by_bucket.items()}, b)
         if value is None:
-            return self.seconds("", rows, window) if chain else 1e-3
+            return self.seconds("", rows, window) if chain else 1.0  # nothing measured: all alike
         return value
-
-    def _over_windows(self, chain: str, b: int, window: int) -> float:
-        return _interpolate({w: cell.seconds for (c, bb, w), cell in self.cells.items()
-                             if c == chain and bb == b}, window)
 
     def as_dict(self) -> dict:
         out: dict = {}

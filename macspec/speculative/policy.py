@@ -22,10 +22,12 @@ from .acceptance import expected_tokens
 from .costs import StepCosts, bucket
 
 GUARD_MARGIN = 0.03  # speculation may trail plain by this much before it stops: noise, not loss
-PROBE_STEPS = 4  # speculative steps a probe measures (the steps of a first trial too)
+PROBE_STEPS = 4  # speculative steps a probe measures, at k = 1 (the steps of a first trial too)
 GUARD_MEMORY = 64  # steps a guard's comparison spans (a stretch of hard text is not a loss), and
 # how often plain decoding is re-measured while speculating (today's load, not the calibration's)
 EXPLORE_STEPS = 32  # the plan's runner-up once in this many steps (costs at most ~1/32 of a gap)
+VERDICT_STEPS = 16  # steps measured since a probe before the guard may turn a method off: a
+# 4-step verdict turned a head off in its hard stretches where it paid 1.2x overall (simulated)
 DECAY = 1.0 - 1.0 / GUARD_MEMORY
 
 
@@ -90,7 +92,9 @@ class Policy:
         must = [m for m in free if guards[m].probe_left]
         allowed = [m for m in free if guards[m].allowed or guards[m].probe_left]
         ranked = []
-        for window in range(1 if not must else 2, max(row.k_max for row in rows) + 2):
+        # A probe drafts one token a row: the cheapest measurement (a deep first trial on an MoE
+        # target cost 4x a plain step and turned methods off that pay at k = 1).
+        for window in range(2 if must else 1, max(row.k_max for row in rows) + 2):
             for mask in range(1 << len(allowed)):
                 on = {m for j, m in enumerate(allowed) if mask >> j & 1}
                 if not set(must) <= on or (window > 1) != bool(on):
@@ -121,8 +125,10 @@ class Policy:
                 guard.waited = 0
                 continue
             guard.waited += 1
-            if guard.waited >= guard.interval:  # off, or idle by the plan: measure it again
-                guard.restart()
+            if guard.waited >= guard.interval:  # off, or idle by the plan: measure it again,
+                # as long as the wait was (PROBE_STEPS per probe_min_steps): a long wait after a
+                # noisy verdict costs more than a longer probe, so its verdict must be surer
+                guard.restart(PROBE_STEPS * guard.interval // self.probe_steps[0])
 
     # ---- a step's measurement ----------------------------------------------------------------
     def observe_step(self, rows: list[PlanRow], ks: list[int], seconds: float, tokens: int) -> None:
@@ -138,16 +144,19 @@ class Policy:
                 guard.probe_left -= 1
                 if not guard.probe_left:
                     self._judge(guard, ended_probe=True)
-            elif guard.steps >= GUARD_MEMORY / 4:  # a few steps after a probe are no verdict
+            elif guard.steps >= VERDICT_STEPS:
                 self._judge(guard, ended_probe=False)
 
     def _judge(self, guard: Guard, ended_probe: bool) -> None:
+        """A probe backs off (losing) or resets the interval and lets an off method back on; only
+        the steps the plan chose to draft can turn a method off (a probe of a method the plan
+        left idle measures a step it did not want)."""
         losing = guard.speedup is not None and guard.speedup < 1.0 - GUARD_MARGIN
-        if losing and ended_probe:
-            guard.interval = min(2 * guard.interval, self.probe_steps[1])
-        elif ended_probe:
-            guard.interval = self.probe_steps[0]
-        guard.allowed = not losing
+        if ended_probe:
+            guard.interval = min(2 * guard.interval, self.probe_steps[1]) if losing else self.probe_steps[0]
+            guard.allowed = guard.allowed or not losing
+        elif losing:
+            guard.allowed = False
 
     # ---- reporting ---------------------------------------------------------------------------
     def explain(self, method: str, rows: int = 1) -> str:
