@@ -60,7 +60,9 @@ class Guard:
 
     @property
     def state(self) -> str:
-        return "probing" if self.probe_left else "on" if self.allowed else "off"
+        if self.probe_left:
+            return "probing"
+        return "off" if not self.allowed else "idle" if self.waited else "on"  # idle: by the plan
 
     def restart(self, probe: int = PROBE_STEPS) -> None:
         self.probe_left, self.waited = probe, 0
@@ -165,8 +167,10 @@ class Policy:
         if guard is None:
             return "not measured yet"
         measured = f"measured {guard.speedup:.2f}x plain" if guard.speedup else "not measured yet"
-        if guard.state == "off":
-            return f"off at batch {rows}: {measured}; probed again within {guard.interval - guard.waited} steps"
+        if guard.state in ("off", "idle"):
+            why = "" if guard.state == "off" else " (no gain expected at the measured acceptance)"
+            return (f"{guard.state} at batch {rows}: {measured}{why}; probed again within "
+                    f"{guard.interval - guard.waited} steps")
         return f"{guard.state} at batch {rows}: {measured}"
 
     def as_dict(self) -> dict:
