@@ -105,9 +105,10 @@ class Policy:
                       for f, row in zip(fixed, rows)]
                 ranked.append((self.expected_rate(rows, ks), -len(ranked), ks))
         ranked.sort(reverse=True)
-        # Now and then the runner-up, once: its cell and deeper drafts measured again (a cell
-        # measured once, high by noise, or a position rejected once would otherwise stand).
-        explore = len(ranked) > 1 and self.costs.clock % EXPLORE_STEPS == EXPLORE_STEPS - 1
+        # Now and then, while drafting, the runner-up once: its cell and deeper drafts measured
+        # again (a cell measured once, high by noise, or a position rejected once would stand).
+        explore = (len(ranked) > 1 and self.costs.clock % EXPLORE_STEPS == EXPLORE_STEPS - 1
+                   and any(ranked[0][2]))  # plain's best: an idle method waits for its probe
         ks = ranked[1 if explore else 0][2] if ranked else fixed
         self._count_waits(rows, ks, guards)
         return ks
@@ -127,10 +128,8 @@ class Policy:
                 guard.waited = 0
                 continue
             guard.waited += 1
-            if guard.waited >= guard.interval:  # off, or idle by the plan: measure it again,
-                # as long as the wait was (PROBE_STEPS per probe_min_steps): a long wait after a
-                # noisy verdict costs more than a longer probe, so its verdict must be surer
-                guard.restart(PROBE_STEPS * guard.interval // self.probe_steps[0])
+            if guard.waited >= guard.interval:  # off, or idle by the plan: measure it again
+                guard.restart()
 
     # ---- a step's measurement ----------------------------------------------------------------
     def observe_step(self, rows: list[PlanRow], ks: list[int], seconds: float, tokens: int) -> None:
