@@ -114,8 +114,8 @@ def _stream(profile: Profile, runtime, prompt: str, opts: RunOptions, steps, exp
             sys.stdout.write(segment)
             sys.stdout.flush()
     tail = text.flush()
-    if explain is not None and stats.get("method", "none") != "none":
-        stats["speculation"] = explain(stats["method"])  # why it drafted (or did not)
+    if explain is not None and "method" in stats:  # why it drafted (or did not)
+        stats["speculation"] = "plain decoding" if stats["method"] == "none" else explain(stats["method"])
     result = {"profile": profile.name, "text": text.text, "token_ids": text.ids,
               "blas": blas_info().as_dict(), **stats}
     if runtime.method != profile.speculative.method:  # the draft was refused, fallback taken

@@ -24,7 +24,7 @@ ADDRESS = "127.0.0.1:8000"  # what the README's clients talk to
 # The fields "Reading the stats line" explains; the BLAS kernels' name is absent on macOS.
 STATS = re.compile(r"prompt \d+ tok \| TTFT [\d.]+ ms \| decode [\d.]+ tok/s \((?P<n>\d+) tok\) \| "
                    r"method \S+ k<=\d+ \(mean [\d.]+\) \| acceptance [\d.]+ \| [\d.]+ tok/forward \| "
-                   r"BLAS \S+( \S+)?")
+                   r"speculation [^|]+ \| BLAS \S+( \S+)?")
 
 
 def section(title: str) -> str:

@@ -83,12 +83,7 @@ def test_an_answer_given_before_is_drafted_whole_from_recent_answers_losslessly(
     """An agent resending a request (a retry, the same tool call turn after turn): the second
     time, suffix decoding drafts the earlier answer from its recent answers, up to 16 tokens a
     step, and the output still equals plain decoding token for token."""
-    runtime = tiny_runtime("suffix")
-    prompt = runtime.tokenizer.encode("import os\nimport sys\n\n\ndef main(argv):\n", add_special_tokens=False)
-    engine = engine_for(runtime)
-    [plain] = engine.generate([prompt], SamplingParams(), 64, method="none", ignore_eos=True)
-    first, second = (engine.generate([prompt], SamplingParams(), 64, method="suffix", adaptive=False,
-                                     ignore_eos=True)[0] for _ in range(2))
+    plain, first, second, _ = _sent_twice("suffix")
     assert first.tokens == plain.tokens and second.tokens == plain.tokens
     stats = second.stats["spec"]
     assert stats["accepted"] >= 48 and second.stats["tokens_per_forward"] > 4.0, second.stats
@@ -115,15 +110,23 @@ def test_the_hybrid_drafts_a_restated_answer_from_its_index_and_the_rest_from_it
     """`mtp+suffix`: where the answer restates an earlier one the suffix draft is expected to
     yield more and is verified (many tokens a step); elsewhere the MTP head drafts. Each kind's
     acceptance is measured on the request; the output equals plain decoding, adaptive or not."""
-    runtime = tiny_runtime("mtp+suffix")
-    prompt = runtime.tokenizer.encode("import os\nimport sys\n\n\ndef main(argv):\n", add_special_tokens=False)
-    engine = engine_for(runtime)
-    [plain] = engine.generate([prompt], SamplingParams(), 64, method="none", ignore_eos=True)
-    first, second = (engine.generate([prompt], SamplingParams(), 64, method="mtp+suffix", adaptive=False,
-                                     ignore_eos=True)[0] for _ in range(2))
+    plain, first, second, again = _sent_twice("mtp+suffix")
     assert first.tokens == plain.tokens and second.tokens == plain.tokens
     assert "drafts" in first.stats["spec"]["acceptance_estimate"], first.stats["spec"]  # the head's
     kinds = second.stats["spec"]["acceptance_estimate"]
     assert {"own", "recent"} & set(kinds) and second.stats["tokens_per_forward"] > 4.0, second.stats
-    [adaptive] = engine.generate([prompt], SamplingParams(), 64, method="mtp+suffix", ignore_eos=True)
-    assert adaptive.tokens == plain.tokens
+    assert again(adaptive=True).tokens == plain.tokens
+
+
+def _sent_twice(method: str):
+    """One prompt decoded plainly, then twice at a fixed k with `method` -> (plain, first,
+    second, a function sending it once more)."""
+    runtime = tiny_runtime(method)
+    prompt = runtime.tokenizer.encode("import os\nimport sys\n\n\ndef main(argv):\n", add_special_tokens=False)
+    engine = engine_for(runtime)
+
+    def send(method: str = method, adaptive: bool = False):
+        return engine.generate([prompt], SamplingParams(), 64, method=method, adaptive=adaptive,
+                               ignore_eos=True)[0]
+
+    return send("none"), send(), send(), send

@@ -22,7 +22,7 @@ from .acceptance import expected_tokens
 from .costs import StepCosts, bucket
 
 GUARD_MARGIN = 0.03  # speculation may trail plain by this much before it stops: noise, not loss
-PROBE_STEPS = 4  # speculative steps a probe measures, at k = 1 (the steps of a first trial too)
+PROBE_STEPS = 4  # speculative steps a probe measures (a first trial too), at the best window >= 2
 GUARD_MEMORY = 64  # steps a guard's comparison spans (a stretch of hard text is not a loss), and
 # how often plain decoding is re-measured while speculating (today's load, not the calibration's)
 EXPLORE_STEPS = 32  # the plan's runner-up once in this many steps (costs at most ~1/32 of a gap)
