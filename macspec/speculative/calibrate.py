@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from .. import proposers
 from ..sampling import Rng, RowContext, SamplingParams
-from .base import ChainRow
+from .base import ChainRow, ProposerGroup
 from .speculator import Speculator
 
 logger = logging.getLogger(__name__)
@@ -36,23 +36,20 @@ def calibrate(speculator: Speculator, runner, method: str, max_batch: int) -> No
 
 
 def _seed_chain(speculator: Speculator, method: str, k_max: int, width: int, forward: dict) -> None:
-    group = speculator.groups.get(method) or speculator.make_group(method)
-    one, four = _time_chain(speculator, method, k_max, width, 1), _time_chain(speculator, method, k_max, width, 4)
-    if one is None or four is None:
+    group = speculator.make_group(method)  # scratch groups: the rows they time are made up
+    if not group.lazy_chain:
         return  # a lookup: its drafts cost host work only, measured with the step
     depth_cap = group.chain_k_max or k_max
+    one = _time_chain(group, k_max, width, 1)
+    four = _time_chain(speculator.make_group(method), k_max, width, 4)
     for (rows, window), seconds in forward.items():
         if window > 1:
             chain_step = one + (four - one) * (rows - 1) / 3
             speculator.policy.costs.seed(method, rows, window, seconds + chain_step * min(window - 1, depth_cap))
 
 
-def _time_chain(speculator: Speculator, method: str, k_max: int, width: int, count: int) -> float | None:
-    """Seconds per chain step over `count` scratch rows of a scratch group (None: a host
-    proposer, whose cost is in the step's)."""
-    group = speculator.make_group(method)
-    if not group.lazy_chain:
-        return None
+def _time_chain(group: ProposerGroup, k_max: int, width: int, count: int) -> float:
+    """Seconds per chain step over `count` scratch rows of a scratch model-proposer group."""
     committed = list(range(1, 18))
     # Random states, not zeros: an MoE head routes zeros of every row to the same experts.
     states = mx.random.normal((16 + 3 * count, width), key=mx.random.key(count))
