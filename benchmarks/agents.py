@@ -201,6 +201,7 @@ def main(argv=None) -> None:
     ap.add_argument("--workloads", default="edit,tools,json,json-schema,chat")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs per (method, c, T), methods alternating; the median tok/s is reported")
+    ap.add_argument("--json-out", help="also write the rows (tok/s and speculation figures) as JSON")
     args = ap.parse_args(argv)
     from macspec.blas import blas_info
 
@@ -216,6 +217,7 @@ def main(argv=None) -> None:
     print(f"BLAS {blas_info().name}; SmolLM2 float32 through macspec serve, {args.max_tokens} tokens", flush=True)
     print("| workload | T | c | method | tok/s | ÷ none | tokens/forward | acceptance | mean draft | same text |")
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|---|")
+    table = []
     for temperature in (float(t) for t in args.temperatures.split(",")):
         for c in (int(c) for c in args.concurrency.split(",")):
             runs = {m: [] for m in methods}
@@ -234,9 +236,14 @@ def main(argv=None) -> None:
                     ratio = f"{r['tok_s'] / base['tok_s']:.2f}" if base else "-"
                     same = "-" if not base or temperature else \
                         ("yes" if r["answers"] is not None and r["answers"] == base["answers"] else "no")
+                    table.append({"workload": name, "temperature": temperature, "concurrency": c, "method": m,
+                                  **{key: value for key, value in r.items() if key != "answers"},
+                                  "same_text": same})
                     print(f"| {name} | {temperature:g} | {c} | {m} | {r['tok_s']:.1f} | {ratio} | "
                           f"{r['tokens_per_forward']:.2f} | {r['acceptance']:.2f} | {r['mean_draft']:.2f} | {same} |",
                           flush=True)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(table, indent=2))
     shutil.rmtree(work, ignore_errors=True)
 
 
