@@ -96,7 +96,7 @@ def run(prompt, profile, model, as_json, log_level, **flags):
     chosen = load_profile(profile)  # a bad profile is reported before MLX takes seconds to load
     if model:
         use_model(chosen, model, method_given=flags["method"] is not None)
-    with progress.phase("starting MLX"):
+    with progress.phase("importing MLX, mlx-lm and transformers"):
         from .run import RunOptions, run_once
     if prompt == "-":
         prompt = sys.stdin.read()

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 logger = logging.getLogger("macspec.startup")
 
 _live = False
+timings: list[tuple[str, float]] = []  # (phase, seconds) in the order they ran: `run --json`
 
 
 def show_on_terminal(enabled: bool = True) -> None:
@@ -31,6 +32,7 @@ def phase(what: str):
         yield
     finally:
         seconds = time.perf_counter() - started
+        timings.append((what, seconds))
         logger.info("%s: %.2f s", what, seconds)
         if _live:
             sys.stderr.write(f"\r\033[K{what}: {seconds:.1f} s")

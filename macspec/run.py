@@ -87,17 +87,32 @@ def run_once(profile: Profile, prompt: str, opts: RunOptions) -> dict:
     save_priors = engine.remembered_priors(state_dir() / PRIORS_FILE)
     try:
         if profile.speculative.adaptive and profile.speculative.method != "none":
-            with phase("calibrating the target's step cost"):
-                engine.calibrate()
+            engine.calibrate()
 
         def steps(tokens, holder):
             return engine.stream(tokens, params, profile.sampling.max_tokens, holder)
 
-        result = _stream(profile, engine.runtime, prompt, opts, steps, engine.speculator.policy.explain)
+        def explain(method: str) -> str:  # the policy's word, and whether a saved prior shaped it
+            prior = engine.speculator.remembered.get(method)
+            return engine.speculator.policy.explain(method) + (
+                "" if prior is None else f" (k started from earlier runs' acceptance {prior:.2f})")
+
+        result = _stream(profile, engine.runtime, prompt, opts, steps, explain)
         save_priors()
         return result
     finally:
         engine.close()
+
+
+def startup_seconds() -> dict:
+    """Each start-up phase's seconds, and the process's whole wall time so far (from exec:
+    the interpreter and imports included)."""
+    import time
+
+    import psutil
+
+    return {"phases": [{"phase": what, "seconds": round(s, 3)} for what, s in progress.timings],
+            "process_s": round(time.time() - psutil.Process().create_time(), 3)}
 
 
 def _stream(profile: Profile, runtime, prompt: str, opts: RunOptions, steps, explain=None) -> dict:
@@ -117,7 +132,7 @@ def _stream(profile: Profile, runtime, prompt: str, opts: RunOptions, steps, exp
     if explain is not None and "method" in stats:  # why it drafted (or did not)
         stats["speculation"] = "plain decoding" if stats["method"] == "none" else explain(stats["method"])
     result = {"profile": profile.name, "text": text.text, "token_ids": text.ids,
-              "blas": blas_info().as_dict(), **stats}
+              "blas": blas_info().as_dict(), **stats, "startup": startup_seconds()}
     if runtime.method != profile.speculative.method:  # the draft was refused, fallback taken
         result["requested_method"] = profile.speculative.method
     if opts.as_json:

@@ -23,7 +23,9 @@ from ..kv.disk import open_store
 from ..kv.prefix import PrefixCache
 from ..models.view import join_states
 from ..monitor.memory import MB, KVBudget
-from ..speculative.calibrate import calibrate
+from ..paths import cache_dir
+from ..progress import phase
+from ..speculative.calibrate import COSTS_FILE, calibrate, cost_key, load_table, save_table
 from ..speculative.speculator import Speculator
 from . import window
 from .blocking import BlockingAPI
@@ -61,6 +63,7 @@ class Engine(BlockingAPI):
         self.fatal_reason: str | None = None
         self.on_fatal = None  # called after fatal() (the service wakes its thread)
         self.live_counts = {"running": 0, "prefilling": 0, "waiting": 0}  # replaced, never mutated
+        self._costs_kept: tuple[str, int, float] | None = None  # cost key, steps then, when saved
 
     @property
     def tp_size(self) -> int:
@@ -270,7 +273,8 @@ class Engine(BlockingAPI):
             self.on_fatal()
 
     def close(self, clean: bool = True) -> None:
-        """Stop the watchdog and (tensor parallelism) end the peers."""
+        """Keep the step costs; stop the watchdog and (tensor parallelism) end the peers."""
+        self.keep_step_costs(every_s=0.0)
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.tp is not None:
@@ -278,12 +282,36 @@ class Engine(BlockingAPI):
 
     def idle(self, heartbeat_s: float) -> None:
         self.scheduler.persist()  # nothing waits on the disk writes now
+        self.keep_step_costs()  # a daemon that is killed keeps what it measured
         self.runner.idle(heartbeat_s)
 
     # ---- calibration and reporting -----------------------------------------------------
     def calibrate(self) -> None:
-        """Time the target forward (and the profile's proposer) to seed the step-cost table."""
-        calibrate(self.speculator, self.runner, self.runtime.method, self.max_batch)
+        """Seed the step-cost table: from the last run of these models with these settings on
+        this machine (calibrate.py), else by timing the target forward and the proposer."""
+        key = cost_key(self.runtime, self.runtime.method, self.max_batch, self.tp_size)
+        cached = load_table(cache_dir() / COSTS_FILE, key)
+        if cached is not None and calibrate(self.speculator, self.runner, self.runtime.method,
+                                            self.max_batch, cached):
+            logger.info("step costs from %s (an earlier run's; re-measured as steps run)",
+                        cache_dir() / COSTS_FILE)
+        else:
+            with phase("calibrating the target's step cost"):
+                calibrate(self.speculator, self.runner, self.runtime.method, self.max_batch)
+        self._costs_kept = (key, -1, 0.0)
+
+    def keep_step_costs(self, every_s: float = 60.0) -> None:
+        """Save the step-cost table for the next start (after calibrate(); when steps ran)."""
+        if self._costs_kept is None:
+            return
+        key, clock, saved = self._costs_kept
+        costs = self.speculator.policy.costs
+        if costs.clock != clock and time.monotonic() - saved >= every_s:
+            self._costs_kept = (key, costs.clock, time.monotonic())
+            try:
+                save_table(cache_dir() / COSTS_FILE, key, costs)
+            except Exception:  # bookkeeping: never a request's or a shutdown's failure
+                logger.warning("could not save the step costs", exc_info=True)
 
     def remembered_priors(self, path) -> Callable[[], None]:
         """Load the acceptance priors saved at `path` for this model pair; -> a function that

@@ -15,7 +15,6 @@ from collections import deque
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 
 from ..errors import EngineUnavailableError, MacspecError, QueueFullError
-from ..progress import phase
 from .engine import Engine
 from .request import Accepted, Failed, GenerationRequest, emit_safely
 
@@ -43,8 +42,7 @@ class EngineService:
     # ---- any thread ------------------------------------------------------------------------
     def start(self, calibrate: bool = True) -> None:
         if calibrate:
-            with phase("calibrating the target's step cost"):
-                self.engine.calibrate()
+            self.engine.calibrate()
         self._thread = threading.Thread(target=self._loop, name="macspec-engine", daemon=True)
         self._thread.start()
 

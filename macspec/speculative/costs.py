@@ -85,7 +85,7 @@ class StepCosts:
         out: dict = {}
         for (chain, b, window), cell in sorted(self.cells.items()):
             out.setdefault(chain or "none", {}).setdefault(str(b), {})[str(window)] = \
-                round(cell.seconds * 1e3, 3) if cell.steps else f"{cell.seconds * 1e3:.3f} (calibrated)"
+                round(cell.seconds * 1e3, 3) if cell.steps else f"{cell.seconds * 1e3:.3f} (seed)"
         return out
 
 

@@ -57,6 +57,7 @@ class Speculator:
         self.groups: dict[str, ProposerGroup] = {}
         # (method, kind) -> acceptance per draft position across requests: a new request starts here.
         self.priors: dict[tuple[str, str], Acceptance] = {}
+        self.remembered: dict[str, float] = {}  # method -> the acceptance a saved prior started at
         self.totals: dict[str, SpecStats] = {}
         self.faults = SpecFaults()
         self.step_rows: list[PlanRow] = []  # the last plan's view of its rows
@@ -238,6 +239,7 @@ class Speculator:
                 for p in proposers.PROPOSERS}
         for method, alphas in priors.load(path, keys).items():
             self.priors[(method, "drafts")] = Acceptance(alphas[0], memory=METHOD_MEMORY)
+            self.remembered[method] = alphas[0]
         return lambda: priors.save(path, keys, {m: p.alphas(self.settings.num_draft_tokens)
                                                 for (m, kind), p in self.priors.items() if kind == "drafts"})
 
