@@ -1,5 +1,5 @@
 """`python -m macspec` (the detached daemon starts itself this way)."""
 
-from .cli import main
+from .cli import entry
 
-main(prog_name="macspec")
+entry()

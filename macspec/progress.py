@@ -5,6 +5,7 @@ live status line there, so a user never stares at a silent prompt for seconds.""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -44,3 +45,16 @@ def clear() -> None:
     if _live:
         sys.stderr.write("\r\033[K")
         sys.stderr.flush()
+
+
+def process_seconds() -> float:
+    """Wall seconds since this process was exec'd. Linux: from /proc in clock ticks (psutil's
+    create_time rounds the boot time to whole seconds there)."""
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        import psutil
+
+        return time.time() - psutil.Process().create_time()

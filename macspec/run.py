@@ -107,12 +107,8 @@ def run_once(profile: Profile, prompt: str, opts: RunOptions) -> dict:
 def startup_seconds() -> dict:
     """Each start-up phase's seconds, and the process's whole wall time so far (from exec:
     the interpreter and imports included)."""
-    import time
-
-    import psutil
-
     return {"phases": [{"phase": what, "seconds": round(s, 3)} for what, s in progress.timings],
-            "process_s": round(time.time() - psutil.Process().create_time(), 3)}
+            "process_s": round(progress.process_seconds(), 3)}
 
 
 def _stream(profile: Profile, runtime, prompt: str, opts: RunOptions, steps, explain=None) -> dict:

@@ -62,6 +62,10 @@ class StepCosts:
             if bb == b and not cell.steps:
                 cell.seconds *= ratio
 
+    def knows(self, chain: str) -> bool:
+        """Whether any cell of `chain` was seeded or measured."""
+        return any(c == chain for c, _, _ in self.cells)
+
     def measured_since(self, rows: int) -> int | None:
         """Steps since a plain step at this bucket was measured (None: never)."""
         cell = self.cells.get(("", bucket(rows), 1))

@@ -70,7 +70,7 @@ class Speculator:
             return None
         if method not in self.groups:
             self.groups[method] = self.make_group(method)
-            if self.calibrate_chain is not None:
+            if self.calibrate_chain is not None and not self.policy.costs.knows(method):
                 self.guarded("cost_model", self.calibrate_chain, method)  # drops nothing
         return self.groups[method]
 
