@@ -86,6 +86,8 @@ def test_profiles_list_and_show():
     (["run", "x", "--profile", "nope"], "profile 'nope' not found"),
     (["profiles", "show", "nope"], "profile 'nope' not found"),
     (["run", "x", "--profile", "/no/such.toml"], "/no/such.toml: profile file not found"),
+    (["run", "word " * 2100, "--max-tokens", "2"], "prompt (2101 tokens) + max_tokens (2) exceeds the "
+     "context length 2048; shorten the prompt or max_tokens (this model takes at most 2048)"),
 ])
 def test_errors_are_one_clean_line(args, message):
     result = CliRunner().invoke(main, args)

@@ -146,6 +146,14 @@ class Sequence:
         return out
 
 
+def _context_fix(runtime, max_context: int) -> str:
+    trained = runtime.target.config.get("max_position_embeddings") or 0
+    if trained > max_context:
+        return (f"shorten the prompt or max_tokens, or raise kv.max_context in the profile "
+                f"(this model takes up to {trained})")
+    return "shorten the prompt or max_tokens" + (f" (this model takes at most {trained})" if trained else "")
+
+
 def new_sequence(req: GenerationRequest, runtime, speculator: Speculator, max_context: int,
                  tp_size: int = 1) -> Sequence:
     """A request made ready to schedule: validated, its speculation record made, its KV
@@ -154,7 +162,7 @@ def new_sequence(req: GenerationRequest, runtime, speculator: Speculator, max_co
         raise RequestError("the prompt is empty")
     if len(req.prompt) + req.max_tokens > max_context:
         raise RequestError(f"prompt ({len(req.prompt)} tokens) + max_tokens ({req.max_tokens}) "
-                           f"exceeds the context length {max_context}")
+                           f"exceeds the context length {max_context}; {_context_fix(runtime, max_context)}")
     spec = runtime.profile.speculative
     method = req.method or runtime.method
     runtime.ensure_method(method)
