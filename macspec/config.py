@@ -89,6 +89,8 @@ class ModelConfig:
     revision: str | None = spec(None, _optional(_string), "Hugging Face revision")
     trust_remote_code: bool = spec(False, _bool, "allow custom tokenizer code")
     chat: bool = spec(True, _bool, "apply the chat template to prompts (macspec run --chat/--raw)")
+    cpu_prefill: bool = spec(True, _bool, "CPU backend: prefill's attention and SiLU in NumPy (its "
+                             "vectorised exp; MLX's CPU exp is ~5x slower); false = MLX everywhere")
 
 
 @dataclass

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ..config import Profile
 from ..errors import MacspecError, RequestError
+from ..models import cpu_prefill
 from ..models.checkpoint import LoadedModel
 from ..models.loader import load_model
 from ..models.eagle3 import Eagle3Head
@@ -73,6 +74,7 @@ class Runtime:
         """`tp` (a TPContext): load this rank's shard; proposers stay whole, on rank 0 only."""
         m = profile.model
         apply_wired_limit(profile.hardware.wired_limit_mb)  # Metal only: before weights land
+        cpu_prefill.enable(m.cpu_prefill)
         with phase(f"loading {m.path}" + (f" (shard of {tp.size})" if tp else "")):
             target = load_model(m.path, m.dtype, m.revision, m.trust_remote_code,
                                 group=tp.group if tp else None)

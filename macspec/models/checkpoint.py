@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import ModelLoadError, UnsupportedModelError
+from . import cpu_prefill
 from .mtp import MTPHead, make_block_like, output_rows
 from .textconfig import language_config
 from .view import ModelView
@@ -81,6 +82,7 @@ def load_dir(path: Path, dtype: str = "auto", trust_remote_code: bool = False, g
     if target_dtype is not None:
         model.set_dtype(target_dtype)
     mx.eval(model.parameters())
+    cpu_prefill.install()  # its model module's attention and SiLU (where the switch is on)
     return LoadedModel(model, tokenizer, path, config)
 
 
