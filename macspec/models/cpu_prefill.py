@@ -94,8 +94,9 @@ def gated_silu(gate: mx.array, x: mx.array) -> mx.array:
         np.divide(g2[part], block, out=block)
         np.multiply(block, u2[part], out=out[part])
 
-    step = max(1, -(-len(g2) // (os.cpu_count() or 1)))
-    list(_workers()[0].map(rows, [slice(r, r + step) for r in range(0, len(g2), step)]))
+    pool, _, cores = _workers()
+    step = max(1, -(-len(g2) // cores))
+    list(pool.map(rows, [slice(r, r + step) for r in range(0, len(g2), step)]))
     return mx.array(out.reshape(g.shape))
 
 
@@ -133,7 +134,7 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, ma
     # one thread meanwhile (its own threads would fight the workers: 2.5x slower here).
     blocks = [(b, h, slice(r, min(r + ROW_BLOCK, L))) for b in range(B) for h in range(Hkv)
               for r in range(0, L, ROW_BLOCK)]
-    pool, numpy_blas = _workers()
+    pool, numpy_blas, _ = _workers()
     with numpy_blas.limit(limits=1):
         list(pool.map(lambda item: one(*item), blocks))
     return mx.array(out)
@@ -143,8 +144,8 @@ _WORKERS: list = []
 
 
 def _workers():
-    """-> (a thread pool with one worker per core, a threadpoolctl handle on NumPy's BLAS only:
-    the one MLX uses here is macspec's own copy and keeps its threads)."""
+    """-> (a thread pool with one worker per core, a threadpoolctl handle on NumPy's BLAS only
+    (the one MLX uses here is macspec's own copy and keeps its threads), the worker count)."""
     if not _WORKERS:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -155,9 +156,9 @@ def _workers():
         ours = blas_info().library
         blas = ThreadpoolController().select(user_api="blas")
         numpy_blas = blas.select(filepath=[c.filepath for c in blas.lib_controllers if c.filepath != ours])
-        _WORKERS.extend([ThreadPoolExecutor(max(1, os.cpu_count() or 1), thread_name_prefix="macspec-attention"),
-                         numpy_blas])
-    return _WORKERS[0], _WORKERS[1]
+        cores = blas_info().threads or os.cpu_count() or 1  # macspec's share of the cores (TP ranks split them)
+        _WORKERS.extend([ThreadPoolExecutor(cores, thread_name_prefix="macspec-prefill"), numpy_blas, cores])
+    return tuple(_WORKERS)
 
 
 def _bias_rows(bias: np.ndarray, b: int, heads: slice, rows: slice, S: int) -> np.ndarray:
