@@ -10,7 +10,8 @@ Runs three benchmarks here, one after another (never two at once), and keeps the
 Every bar is tok/s ÷ macspec with speculation off, measured side by side in the same run.
 Writes docs/img/headline.json (the numbers, the commands, the machine) and docs/img/headline.png.
 
-    python benchmarks/headline.py [--repeats 2] [--concurrency 1,4]   # ~30-60 min on 2 cores
+    python benchmarks/headline.py [--repeats 2] [--concurrency 1,4] [--agent-concurrency 1]
+                                                     # ~45 min on 2 cores
     python benchmarks/headline.py --replot                             # redraw from the JSON
 """
 
@@ -40,7 +41,7 @@ def run(argv: list[str]) -> None:
     subprocess.run([sys.executable, *argv], cwd=ROOT, check=True)
 
 
-def measure(repeats: int, concurrency: str) -> dict:
+def measure(repeats: int, concurrency: str, agent_concurrency: str) -> dict:
     groups: list[dict] = []
     commands = []
     with tempfile.TemporaryDirectory(prefix="macspec-headline-") as tmp:
@@ -59,14 +60,14 @@ def measure(repeats: int, concurrency: str) -> dict:
                                "ratio": {SERVE_NAMES[n]: rows[c]["tok_per_s"] / off[c]["tok_per_s"]
                                          for n, rows in table.items() if n in SERVE_NAMES}})
         out = Path(tmp) / "agents.json"
-        argv = ["benchmarks/agents.py", "--methods", "none,suffix", "--concurrency", concurrency,
+        argv = ["benchmarks/agents.py", "--methods", "none,suffix", "--concurrency", agent_concurrency,
                 "--temperatures", "0", "--workloads", ",".join(AGENT_WORKLOADS), "--repeats", str(repeats),
                 "--json-out", str(out)]
         run(argv)
         commands.append(" ".join(["python", *argv[:-2]]))
         rows = json.loads(out.read_text())
         for workload, label in AGENT_WORKLOADS.items():
-            for c in concurrency.split(","):
+            for c in agent_concurrency.split(","):
                 got = {r["method"]: r["tok_s"] for r in rows if r["workload"] == workload and r["concurrency"] == int(c)}
                 groups.append({"label": f"{label}\n{c} client{'s' if c != '1' else ''}",
                                "tok_s": {"speculation on": got["suffix"], "speculation off": got["none"]},
@@ -124,7 +125,9 @@ def draw(data: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=2, help="alternating repeats per level (each benchmark's)")
-    ap.add_argument("--concurrency", default="1,4")
+    ap.add_argument("--concurrency", default="1,4", help="clients, serve.py's rows")
+    ap.add_argument("--agent-concurrency", default="1", help="clients, agents.py's rows (a fresh "
+                    "server per run makes each level minutes)")
     ap.add_argument("--replot", action="store_true", help="redraw the PNG from docs/img/headline.json")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
@@ -132,7 +135,7 @@ def main() -> None:
     if args.replot:
         data = json.loads(numbers.read_text())
     else:
-        data = measure(args.repeats, args.concurrency)
+        data = measure(args.repeats, args.concurrency, args.agent_concurrency)
         numbers.write_text(json.dumps(data, indent=1) + "\n")
     draw(data, OUT / "headline.png")
     for group in data["groups"]:
