@@ -3,12 +3,17 @@ user state and cache dirs; $MACSPEC_CACHE moves the cache alone."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from .config import HOME_ENV
+
+logger = logging.getLogger(__name__)
 
 
 def _user_dir(kind: str) -> Path:
@@ -48,3 +53,19 @@ def fresh_subdir(parent: Path, prefix: str, keep: int) -> Path:
     for path in old[:max(0, len(old) - keep + 1)]:
         shutil.rmtree(path, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+
+
+def update_json(path: Path, change: Callable[[dict], dict], what: str, indent: int | None = None) -> None:
+    """Write change(the JSON object at `path`) back atomically ({} when it is missing or
+    unreadable). A failure is logged, never raised: these files are bookkeeping."""
+    try:
+        stored = json.loads(path.read_text()) if path.exists() else {}
+        stored = stored if isinstance(stored, dict) else {}
+    except (OSError, ValueError):
+        stored = {}
+    try:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(change(stored), indent=indent))
+        tmp.replace(path)
+    except OSError as err:
+        logger.warning("could not save %s to %s: %s", what, path, err)

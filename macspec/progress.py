@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 logger = logging.getLogger("macspec.startup")
 
@@ -51,8 +52,8 @@ def process_seconds() -> float:
     """Wall seconds since this process was exec'd. Linux: from /proc in clock ticks (psutil's
     create_time rounds the boot time to whole seconds there)."""
     try:
-        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
-        uptime = float(open("/proc/uptime").read().split()[0])
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
         return uptime - ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         import psutil

@@ -24,7 +24,6 @@ from ..kv.prefix import PrefixCache
 from ..models.view import join_states
 from ..monitor.memory import MB, KVBudget
 from ..paths import cache_dir
-from ..progress import phase
 from ..speculative.calibrate import COSTS_FILE, calibrate, cost_key, load_table, save_table
 from ..speculative.speculator import Speculator
 from . import window
@@ -290,14 +289,10 @@ class Engine(BlockingAPI):
         """Seed the step-cost table: from the last run of these models with these settings on
         this machine (calibrate.py), else by timing the target forward and the proposer."""
         key = cost_key(self.runtime, self.runtime.method, self.max_batch, self.tp_size)
-        cached = load_table(cache_dir() / COSTS_FILE, key)
-        if cached is not None and calibrate(self.speculator, self.runner, self.runtime.method,
-                                            self.max_batch, cached):
-            logger.info("step costs from %s (an earlier run's; re-measured as steps run)",
-                        cache_dir() / COSTS_FILE)
-        else:
-            with phase("calibrating the target's step cost"):
-                calibrate(self.speculator, self.runner, self.runtime.method, self.max_batch)
+        path = cache_dir() / COSTS_FILE
+        if calibrate(self.speculator, self.runner, self.runtime.method, self.max_batch,
+                     load_table(path, key)):
+            logger.info("step costs from %s (an earlier run's; re-measured as steps run)", path)
         self._costs_kept = (key, -1, 0.0)
 
     def keep_step_costs(self, every_s: float = 60.0) -> None:

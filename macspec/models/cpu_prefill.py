@@ -119,7 +119,7 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, ma
         n = rows.stop - rows.start
         scores = ((q[b, heads, rows] * scale).reshape(group * n, D) @ k[b, h].T).reshape(group, n, S)
         if bias is not None:
-            scores += _bias_rows(bias, b, heads, rows, S)
+            scores += _bias_rows(bias, b, heads, rows)
         peak = scores.max(axis=-1, keepdims=True)
         np.maximum(peak, np.float32(-3e38), out=peak)  # a fully masked row: exp gives 0, not nan
         np.subtract(scores, peak, out=scores)
@@ -161,8 +161,8 @@ def _workers():
     return tuple(_WORKERS)
 
 
-def _bias_rows(bias: np.ndarray, b: int, heads: slice, rows: slice, S: int) -> np.ndarray:
-    """The bias for these query rows, over all S positions (a causal one is built for them)."""
+def _bias_rows(bias: np.ndarray, b: int, heads: slice, rows: slice) -> np.ndarray:
+    """The bias for these query rows (and heads, where it varies by head), over all positions."""
     if bias.ndim == 4:
         return bias[b, heads, rows]
     return bias[rows]

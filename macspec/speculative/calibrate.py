@@ -24,6 +24,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .. import proposers
+from ..paths import update_json
+from ..progress import phase
 from ..sampling import Rng, RowContext, SamplingParams
 from .base import ChainRow, ProposerGroup
 from .costs import StepCosts
@@ -47,18 +49,19 @@ def calibrate(speculator: Speculator, runner, method: str, max_batch: int,
     grid = [(rows, window) for rows in sorted({1, min(4, max_batch), max_batch})
             for window in sorted({1, 2, k_max + 1})]
     hit = bool(cached) and all(("", rows, window) in cached for rows, window in grid)
+    forward: dict[tuple[int, int], float] = {}
+    seed = lambda other: _seed_chain(speculator, other, k_max, runner.states_width, forward)  # noqa: E731
     if hit:
         for (chain, rows, window), seconds in cached.items():
             costs.seed(chain, rows, window, seconds)
-        forward = {(rows, window): costs.seconds("", rows, window) for rows, window in grid}
+        forward.update({(rows, window): costs.seconds("", rows, window) for rows, window in grid})
     else:
-        forward = {}
-        for rows, window in grid:
-            forward[rows, window] = min(runner.time_forward(rows, window, 3)[1:])  # the first pays one-off costs
-            costs.seed("", rows, window, forward[rows, window])
-    seed = lambda other: _seed_chain(speculator, other, k_max, runner.states_width, forward)  # noqa: E731
-    if method != proposers.PLAIN and not hit:
-        speculator.guarded("cost_model", seed, method, drop=method)
+        with phase("calibrating the target's step cost"):
+            for rows, window in grid:
+                forward[rows, window] = min(runner.time_forward(rows, window, 3)[1:])  # the first pays one-off costs
+                costs.seed("", rows, window, forward[rows, window])
+            if method != proposers.PLAIN:
+                speculator.guarded("cost_model", seed, method, drop=method)
     speculator.calibrate_chain = seed  # a head loaded later may tap layers: read the width then
     logger.info("%s step costs (ms): %s", "cached" if hit else "calibrated", costs.as_dict())
     return hit
@@ -134,18 +137,11 @@ def load_table(path: Path, key: str) -> dict[tuple[str, int, int], float] | None
 
 
 def save_table(path: Path, key: str, costs: StepCosts) -> None:
-    """Merge this table into `path` atomically; a failure is logged, never raised (bookkeeping)."""
-    try:
-        stored = json.loads(path.read_text()) if path.exists() else {}
-        stored = stored if isinstance(stored, dict) else {}
-    except (OSError, ValueError):
-        stored = {}
-    stored[key] = {"saved": time.time(), "cells": [[c, b, w, round(cell.seconds, 7)]
-                                                   for (c, b, w), cell in sorted(costs.cells.items())]}
-    newest = sorted(stored, key=lambda k: -(stored[k].get("saved", 0) if isinstance(stored[k], dict) else 0))
-    try:
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({k: stored[k] for k in newest[:KEYS_KEPT]}))
-        tmp.replace(path)
-    except OSError as err:
-        logger.warning("could not save step costs to %s: %s", path, err)
+    """Merge this table into `path`, keeping the KEYS_KEPT most recently saved keys."""
+    def merged(stored: dict) -> dict:
+        stored[key] = {"saved": time.time(), "cells": [[c, b, w, round(cell.seconds, 7)]
+                                                       for (c, b, w), cell in sorted(costs.cells.items())]}
+        saved = lambda k: stored[k].get("saved", 0) if isinstance(stored[k], dict) else 0  # noqa: E731
+        return {k: stored[k] for k in sorted(stored, key=saved, reverse=True)[:KEYS_KEPT]}
+
+    update_json(path, merged, "step costs")

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
+
+from ..paths import update_json
 
 logger = logging.getLogger(__name__)
 
@@ -33,17 +34,9 @@ def load(path: Path, keys: dict[str, str]) -> dict[str, list[float]]:
 
 
 def save(path: Path, keys: dict[str, str], priors: dict[str, list[float]]) -> None:
-    """Merge into `path` atomically; a failure is logged, never raised (bookkeeping)."""
-    try:
-        stored = json.loads(path.read_text()) if path.exists() else {}
-        if not isinstance(stored, dict):
-            stored = {}
-    except (OSError, ValueError):
-        stored = {}
-    stored.update({keys[m]: [round(a, 4) for a in alphas] for m, alphas in priors.items() if m in keys})
-    try:
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(stored, indent=1))
-        tmp.replace(path)
-    except OSError as err:
-        logger.warning("could not save acceptance priors to %s: %s", path, err)
+    """Merge into `path`; a failure is logged, never raised (bookkeeping)."""
+    def merged(stored: dict) -> dict:
+        stored.update({keys[m]: [round(a, 4) for a in alphas] for m, alphas in priors.items() if m in keys})
+        return stored
+
+    update_json(path, merged, "acceptance priors", indent=1)
