@@ -179,7 +179,7 @@ def test_status_and_metrics_report_speculation(server, client):
 def test_full_queue_answers_429():
     runtime = runtime_with("tiny")
     with RunningServer(runtime, max_batch=1, max_queue=1) as srv:
-        body = {"prompt": "def f():", "max_tokens": 300, "temperature": 0,
+        body = {"prompt": "def f():", "max_tokens": 300, "temperature": 0, "ignore_eos": True,
                 "speculative": {"method": "none"}}
         with cf.ThreadPoolExecutor(6) as pool:
             results = list(pool.map(lambda _: requests.post(srv.url + "/v1/completions", json=body,

@@ -16,7 +16,7 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 
 from ..errors import EngineUnavailableError, MacspecError, QueueFullError
 from .engine import Engine
-from .request import Accepted, Failed, GenerationRequest, emit_safely
+from .request import Accepted, Failed, Finished, GenerationRequest, emit_safely
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ class EngineService:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._last_status: dict | None = None
+        self._in_flight: set[int] = set()  # submitted, not yet finished or failed
         engine.on_fatal = self._wake.set  # an idle loop notices a watchdog's verdict at once
 
     # ---- any thread ------------------------------------------------------------------------
@@ -71,17 +72,29 @@ class EngineService:
         if not self.alive:
             raise EngineUnavailableError("the engine is not running")
         with self._lock:
-            # Requests not yet taken from the inbox wait only beyond the batch's free rows: the
-            # count must not depend on how fast the engine thread drains the inbox.
-            live = self.engine.live_counts
-            free = max(0, self.engine.max_batch - live["running"] - live["prefilling"])
-            pending = sum(1 for op, _ in self._inbox if op == self._add)
-            queued = len(self.engine.scheduler.waiting) + max(0, pending - free)
-            if queued + len(requests) > self.max_queue:
+            # Counted here, not from the engine's lists, so a verdict never depends on how far
+            # the engine thread has got with earlier requests: beyond the batch's rows, they wait.
+            queued = len(self._in_flight) + len(requests) - self.engine.max_batch
+            if queued > self.max_queue:
                 self.engine.stats.count("rejected", len(requests))
                 raise QueueFullError(f"the queue is full ({self.max_queue} waiting); retry later")
-            self._inbox.extend((self._add, request) for request in requests)
+            for request in requests:
+                self._track(request)
+                self._inbox.append((self._add, request))
         self._wake.set()
+
+    def _track(self, request: GenerationRequest) -> None:
+        """Count the request until its last event (the sink is wrapped to see it)."""
+        self._in_flight.add(request.id)
+        sink = request.sink
+
+        def tracked(event) -> None:
+            if isinstance(event, (Finished, Failed)):
+                with self._lock:
+                    self._in_flight.discard(request.id)
+            sink(event)
+
+        request.sink = tracked
 
     def cancel(self, request_id: int, reason: str = "cancelled") -> None:
         with self._lock:
