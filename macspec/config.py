@@ -114,6 +114,8 @@ class SpeculativeConfig:
     probe_min_steps: int = spec(64, _range(1, integer=True), "first probe after turning off")
     probe_max_steps: int = spec(4096, _range(1, integer=True), "probe interval cap")
     allow_fallback: bool = spec(False, _bool, "use n-gram when the draft is incompatible")
+    mtp_dequantize: bool = spec(False, _bool, "method = mtp: unpack a quantized MTP head to the "
+                                "compute dtype (default: it runs quantized, as stored)")
 
 
 @dataclass

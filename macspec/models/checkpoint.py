@@ -14,7 +14,8 @@ import mlx.nn as nn
 
 from ..errors import ModelLoadError, UnsupportedModelError
 from . import cpu_prefill
-from .mtp import MTPHead, make_block_like, output_rows
+from .mtp import (MTPHead, dequantized_params, head_summary, make_block_like, output_rows,
+                  quantize_as_stored, quantized_modules)
 from .textconfig import language_config
 from .view import ModelView
 
@@ -130,22 +131,9 @@ def _mtp_weight_files(path: Path, layer: int) -> list[Path]:
     return sorted(Path(f) for f in glob.glob(str(path / "*.safetensors")))
 
 
-def _dequantize(weights: dict[str, mx.array], config: dict) -> dict[str, mx.array]:
-    quant = config.get("quantization") or config.get("quantization_config") or {}
-    out = {}
-    for key, value in weights.items():
-        if key.endswith(".scales") or key.endswith(".biases"):
-            continue
-        base = key[: -len(".weight")] if key.endswith(".weight") else None
-        if base and f"{base}.scales" in weights:
-            value = mx.dequantize(value, weights[f"{base}.scales"], weights.get(f"{base}.biases"),
-                                  group_size=quant.get("group_size", 64), bits=quant.get("bits", 4))
-        out[key] = value
-    return out
-
-
-def load_mtp_head(target: LoadedModel) -> MTPHead:
-    """The MTP layer `model.layers.{num_hidden_layers}.*` from the target's own files."""
+def load_mtp_head(target: LoadedModel, dequantize: bool = False) -> MTPHead:
+    """The MTP layer `model.layers.{num_hidden_layers}.*` from the target's own files, quantized
+    as stored (`dequantize`: unpacked to the compute dtype, for speculative.mtp_dequantize)."""
     config, path = target.config, target.path
     layer = config.get("num_hidden_layers")
     if not config.get("num_nextn_predict_layers"):
@@ -165,11 +153,9 @@ def load_mtp_head(target: LoadedModel) -> MTPHead:
         raise UnsupportedModelError(
             f"{path}: config declares an MTP layer but no weights named {prefix}* were found "
             "(mlx_lm.convert strips them; keep them when converting, or use --method draft)")
-    if any(k.endswith(".scales") for k in weights):
-        logger.warning("MTP weights in %s are quantized; dequantizing them (quantized MTP heads "
-                       "lose most of their acceptance)", path)
-        weights = _dequantize(weights, config)
-    return _build_head(target.model, weights, layer, config)
+    head = _build_head(target.model, weights, layer, config, dequantize)
+    logger.info("MTP head (layer %d of %s): %s", layer, path.name, head_summary(head))
+    return head
 
 
 def _vocab_rows(model: nn.Module, config: dict) -> int:
@@ -178,7 +164,8 @@ def _vocab_rows(model: nn.Module, config: dict) -> int:
     return int(embed.weight.shape[0]) if embed is not None else int(config["vocab_size"])
 
 
-def _build_head(model: nn.Module, weights: dict[str, mx.array], layer: int, config: dict) -> MTPHead:
+def _build_head(model: nn.Module, weights: dict[str, mx.array], layer: int, config: dict,
+                dequantize: bool = False) -> MTPHead:
     # The embedding and output head are shared with the target (DeepSeek-V3); drop copies. A
     # head over a vocabulary subset (shared_head.vocab_ids) has its own, smaller output head:
     # stored, or else the target's output rows for those ids.
@@ -193,13 +180,30 @@ def _build_head(model: nn.Module, weights: dict[str, mx.array], layer: int, conf
     if hasattr(model, "sanitize"):
         as_layer0 = model.sanitize(dict(as_layer0))
     params = MTPHead.from_layout(as_layer0, 0)
+    head = _new_head(model, layer, config, vocab_ids)
+    # Quantized modules where the file stores them quantized: the bytes as shipped, read as such.
+    quantize_as_stored(head, params, _quantization(config), layer)
+    _load_head_weights(head, params, layer)
+    if dequantize and quantized_modules(head):
+        params, head = dequantized_params(head), _new_head(model, layer, config, vocab_ids)
+        _load_head_weights(head, params, layer)
+    head.set_dtype(model.model.norm.weight.dtype)  # the compute dtype, even when quantized
+    mx.eval(head.parameters())
+    return head
+
+
+def _quantization(config: dict) -> dict:
+    return config.get("quantization") or config.get("quantization_config") or {}
+
+
+def _new_head(model: nn.Module, layer: int, config: dict, vocab_ids) -> MTPHead:
     hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
-    head = MTPHead(make_block_like(model, layer), hidden, eps, vocab_ids=vocab_ids,
+    return MTPHead(make_block_like(model, layer), hidden, eps, vocab_ids=vocab_ids,
                    target_vocab=None if vocab_ids is None else _vocab_rows(model, config))
+
+
+def _load_head_weights(head: MTPHead, params: dict[str, mx.array], layer: int) -> None:
     try:
         head.load_weights(list(params.items()), strict=True)
     except ValueError as err:
         raise UnsupportedModelError(f"MTP layer {layer} does not match the target's block: {err}") from None
-    head.set_dtype(model.model.norm.weight.dtype)  # the compute dtype, even when quantized
-    mx.eval(head.parameters())
-    return head

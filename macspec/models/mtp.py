@@ -132,3 +132,59 @@ def output_rows(view, ids: mx.array) -> mx.array:
     return mx.dequantize(lm_head.weight[ids], lm_head.scales[ids],
                          None if biases is None else biases[ids],
                          group_size=lm_head.group_size, bits=lm_head.bits)
+
+
+def checkpoint_name(name: str, layer_index: int) -> str:
+    """A head parameter or module name -> its name in the checkpoint (`model.layers.{N}.…`)."""
+    name = name[len("block."):] if name.startswith("block.") else name
+    return f"model.layers.{layer_index}.{name}"
+
+
+def quantize_as_stored(head: MTPHead, params: dict[str, mx.array], quantization: dict,
+                       layer_index: int) -> None:
+    """Quantize the modules whose weights `params` holds quantized, as mlx-lm's load_model
+    quantizes the target: the config's per-layer entry first, else the packing the stored
+    shapes imply (the top-level group_size/bits where mlx-lm cannot infer it)."""
+    try:
+        from mlx_lm.utils import infer_quant_config
+    except ImportError:  # mlx-lm < 0.31: the config's defaults
+        infer_quant_config = None
+    defaults = {"group_size": quantization.get("group_size", 64),
+                "bits": quantization.get("bits", 4), "mode": quantization.get("mode", "affine")}
+
+    def predicate(path: str, module: nn.Module):
+        override = quantization.get(checkpoint_name(path, layer_index))
+        if override is not None:
+            return override
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in params:
+            return False
+        return infer_quant_config(path, module, params) if infer_quant_config else defaults
+
+    nn.quantize(head, **defaults, class_predicate=predicate)
+
+
+def quantized_modules(head: nn.Module) -> dict[str, nn.Module]:
+    return {name: m for name, m in head.named_modules() if "scales" in m and hasattr(m, "bits")}
+
+
+def dequantized_params(head: nn.Module) -> dict[str, mx.array]:
+    """The head's parameters with every quantized weight unpacked (for a float head)."""
+    from mlx.utils import tree_flatten
+
+    params = dict(tree_flatten(head.parameters()))
+    for name, m in quantized_modules(head).items():
+        for part in ("scales", "biases", "global_scale"):
+            params.pop(f"{name}.{part}", None)
+        params[f"{name}.weight"] = mx.dequantize(
+            m.weight, m.scales, m.get("biases"), group_size=m.group_size, bits=m.bits,
+            mode=m.mode, dtype=m.scales.dtype if m.mode == "affine" else mx.bfloat16)
+    return params
+
+
+def head_summary(head: nn.Module) -> str:
+    """Its own bytes and how they are stored, e.g. '1.2 MB, 4-bit g64 (affine)'."""
+    from mlx.utils import tree_flatten
+
+    size = sum(v.nbytes for _, v in tree_flatten(head.parameters()))
+    kinds = sorted({f"{m.bits}-bit g{m.group_size} ({m.mode})" for m in quantized_modules(head).values()})
+    return f"{size / 1e6:.1f} MB, " + (", ".join(kinds) if kinds else "not quantized")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..config import Profile
 from . import macos
-from .memory import GB_FIT_SLACK, MB, kv_bytes_per_token, weight_sizes
+from .memory import GB_FIT_SLACK, MB, kv_bytes_per_token, mtp_size, weight_sizes
 from ..models.textconfig import language_config
 
 OK, WARN, FAIL, NA = "ok", "warn", "fail", "n/a"
@@ -233,12 +233,19 @@ class Doctor:
         if not mtp:
             self.add("MTP head", FAIL if uses_mtp else WARN, f"no model.layers.{layer}.* weights "
                      "(mlx_lm.convert strips them)", "convert keeping the MTP layer, or use --method draft")
-        elif any(n.endswith(".scales") for n in mtp):
-            self.add("MTP head", WARN, f"MTP layer {layer} is quantized (dequantized at load; "
-                     "quantized MTP heads lose most of their acceptance)",
-                     "keep the MTP layer in bf16 when converting")
         else:
-            self.add("MTP head", OK, f"layer {layer}, {len(mtp)} tensors, not quantized")
+            self.add("MTP head", OK, f"layer {layer}, {len(mtp)} tensors, " + self._mtp_bytes(target))
+
+    def _mtp_bytes(self, target: Path) -> str:
+        """The head's bytes (and bits): as stored, or unpacked where the profile asks."""
+        size = mtp_size(target)
+        if not size.bits:
+            return f"{_size(size.stored)}, not quantized"
+        bits = "/".join(str(b) for b in size.bits)
+        if self.profile.speculative.mtp_dequantize:
+            return (f"{bits}-bit, {_size(size.stored)} stored, unpacked at load to "
+                    f"{_size(size.unpacked)} (speculative.mtp_dequantize)")
+        return f"{bits}-bit, {_size(size.stored)}, run quantized ({_size(size.unpacked)} if unpacked)"
 
     def _eagle3_check(self) -> None:
         """The head a method = eagle3 profile names (or the target ships): there, in the published
@@ -288,7 +295,8 @@ class Doctor:
         sizes = weight_sizes(target)
         weights = sizes.per_rank(tp, float32=on_cpu)
         if self.profile.speculative.method == "mtp":
-            weights += sizes.mtp * (2 if on_cpu else 1)  # the head runs on rank 0
+            head = mtp_size(target).unpacked if self.profile.speculative.mtp_dequantize else sizes.mtp
+            weights += head * (2 if on_cpu else 1)  # the head runs on rank 0
         dtype_bytes = 4 if on_cpu else 2
         kv = self.profile.kv
         per_token = kv_bytes_per_token(config, dtype_bytes, tp)
@@ -528,6 +536,10 @@ def invalid_model_reason(path: Path) -> str | None:
     if not any(path.glob("model*.safetensors")):
         return "no weights (model*.safetensors)"
     return None
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.1f} GB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MB"
 
 
 def weight_names(model_dir: Path) -> list[str]:

@@ -97,6 +97,42 @@ def weight_sizes(model_dir: Path) -> WeightSizes:
     return WeightSizes(layers, other, half, mtp)
 
 
+@dataclass
+class MTPSize:
+    stored: int  # bytes of the MTP layer(s) as stored (quantized ones packed)
+    unpacked: int  # with every quantized weight unpacked to 16 bits (speculative.mtp_dequantize)
+    bits: tuple[int, ...]  # the quantized weights' bit widths; () = not quantized
+
+
+def mtp_size(model_dir: Path) -> MTPSize:
+    """The MTP layers' bytes, from the safetensors headers and the config's quantization (its
+    per-layer entries first, as mlx-lm quantizes)."""
+    config = language_config(json.loads((model_dir / "config.json").read_text()))
+    quant = config.get("quantization") or {}
+    first = config.get("num_hidden_layers", 1 << 30)
+    infos = {name: info for file in sorted(model_dir.glob("*.safetensors"))
+             for name, info in safetensors_header(file).items()
+             if (m := re.search(r"(?:^|\.)layers\.(\d+)\.", name)) and int(m.group(1)) >= first}
+    stored = unpacked = 0
+    bits = set()
+    for name, info in infos.items():
+        start, end = info["data_offsets"]
+        stored += end - start
+        base = name.removesuffix(".weight")
+        if name.endswith((".scales", ".biases")) and f"{name.rsplit('.', 1)[0]}.weight" in infos:
+            continue  # packing data: gone once unpacked
+        if name.endswith(".weight") and f"{base}.scales" in infos:
+            b = (quant.get(base) or {}).get("bits", quant.get("bits", 4))
+            bits.add(b)
+            elements = 1
+            for d in info["shape"][:-1]:
+                elements *= d
+            unpacked += elements * info["shape"][-1] * 32 // b * 2
+        else:
+            unpacked += end - start
+    return MTPSize(stored, unpacked, tuple(sorted(bits)))
+
+
 def device_limits() -> dict:
     """Memory the process may use: the GPU's recommended working set on Metal, RAM elsewhere."""
     info = mx.device_info() if hasattr(mx, "device_info") else {}

@@ -29,7 +29,8 @@ def load(runtime, method: str, fallback: bool = True) -> None:
     """The head from the target's checkpoint (its MTP layer)."""
     if runtime.mtp_head is None:
         with phase("loading the MTP head"):
-            runtime.mtp_head = load_mtp_head(runtime.target)
+            runtime.mtp_head = load_mtp_head(
+                runtime.target, dequantize=runtime.profile.speculative.mtp_dequantize)
 
 
 def make_group(runtime, method: str, vocab_size: int) -> "MTPGroup":
