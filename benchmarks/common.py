@@ -12,7 +12,7 @@ from macspec.engine.engine import Engine
 from macspec.engine.launch import calibrated_engine
 from macspec.engine.runtime import Runtime
 from macspec.sampling import SamplingParams
-from macspec.forge import corpus
+from macspec import corpus
 from macspec.models.built import WIDE_HIDDEN
 from macspec.models.checkpoint import LoadedModel, load_mtp_head
 from macspec.models.loader import load_model

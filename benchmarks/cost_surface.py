@@ -4,11 +4,14 @@ the same B. MoE targets read the experts their tokens route to, so the window's 
 the distinct experts B·W tokens touch; dense targets read the same weights for any window.
 
   flock /tmp/macspec-bench.lock python benchmarks/cost_surface.py [--profiles tiny-moe,tiny-wide]
-      [--sort-from N]
+      [--routing trained,independent] [--bits 4] [--paths]
 
---sort-from N instead compares, forward by forward, grouping an MoE layer's tokens by expert
-(mlx-lm's `sorted_indices` path) from N (token, expert) slots with mlx-lm's 64: does grouping a
-small step's reads pay on this CPU?
+Rows and windows are held-out code (the forge's held-out stdlib files), so an MoE target routes
+as it does on text. --routing picks tiny-moe's router (built:tiny-moe or
+built:tiny-moe-independent) and prints the routing's statistics. --paths instead compares,
+forward by forward on the same rows, the engine's MoE path (models/expert_union.py: each
+distinct expert read once per step) with mlx-lm's, against the bytes floor: (non-expert bytes
++ the distinct experts' bytes) ÷ one token's.
 """
 
 from __future__ import annotations
@@ -22,112 +25,177 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import macspec  # noqa: E402,F401  (OpenBLAS before mlx)
 import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
 from macspec.config import load_profile  # noqa: E402
 from macspec.engine.runner import TargetRunner  # noqa: E402
 from macspec.engine.runtime import Runtime  # noqa: E402
+from macspec import corpus  # noqa: E402
+from macspec.models import expert_union  # noqa: E402
 from macspec.models.textconfig import moe_shape  # noqa: E402
 
+ROUTED = {"trained": "built:tiny-moe", "independent": "built:tiny-moe-independent"}
 
-def surface(profile: str, rows: list[int], windows: list[int], repeats: int) -> dict:
+
+def load(profile: str, routing: str | None, bits: int | None) -> Runtime:
     loaded = load_profile(profile)
     loaded.override("speculative.method", "none", "bench")
+    if routing:
+        loaded.override("model.path", ROUTED[routing], "bench")
     runtime = Runtime.load(loaded)
+    if bits:  # experts and dense layers quantized as mlx-community's builds are
+        nn.quantize(runtime.target.model, group_size=64, bits=bits,
+                    class_predicate=lambda _, m: hasattr(m, "to_quantized") and not isinstance(m, nn.Embedding))
+    return runtime
+
+
+def text_rows(tokenizer, rows: int, length: int) -> mx.array:
+    """`rows` distinct stretches of held-out code, `length` tokens each."""
+    tokens: list[int] = []
+    for text in corpus.read_texts(heldout=True):
+        tokens += tokenizer.encode(text)
+        if len(tokens) >= 16 * length * 16:
+            break
+    stride = len(tokens) // max(rows, 1)
+    return mx.array([tokens[r * stride:r * stride + length] for r in range(rows)])
+
+
+class Routes:
+    """Records each MoE layer's expert indices (mlx-lm's gates return them), kept lazy so the
+    forward runs as it would; read after it."""
+
+    def __init__(self, model):
+        self.seen: list[mx.array] = []
+        self.layers = sum(1 for layer in model.model.layers if hasattr(getattr(layer, "mlp", None), "gate"))
+        gate_class = next(type(layer.mlp.gate) for layer in model.model.layers
+                          if hasattr(getattr(layer, "mlp", None), "gate"))
+        original = gate_class.__call__
+
+        def record(gate, x):
+            inds, scores = original(gate, x)
+            self.seen.append(inds)
+            return inds, scores
+
+        gate_class.__call__ = record
+
+    def last(self) -> list[np.ndarray]:
+        """The last forward's indices per layer, [tokens, top_k] each."""
+        picked = self.seen[-self.layers:]
+        self.seen.clear()
+        return [np.array(s).reshape(-1, s.shape[-1]) for s in picked]
+
+    def distinct(self) -> float:
+        """Mean distinct experts per layer in the last forward."""
+        return float(np.mean([len(np.unique(s)) for s in self.last()]))
+
+
+def bytes_per_token(runtime: Runtime) -> tuple[float, float]:
+    """(non-expert bytes read per token, one routed expert's bytes) of the target."""
+    routed, other = 0, 0
+    for name, value in tree_flatten(runtime.target.model.parameters()):
+        if "switch_mlp" in name:
+            routed += value.nbytes
+        elif "embed_tokens" not in name:
+            other += value.nbytes
+    experts, _ = moe_shape(runtime.target.config)
+    layers = sum(1 for layer in runtime.target.model.model.layers if hasattr(layer.mlp, "switch_mlp"))
+    return other, routed / (experts * layers)
+
+
+def surface(runtime: Runtime, rows: list[int], windows: list[int], repeats: int) -> dict:
     runner = TargetRunner(runtime.view)
     seconds = {}
     for b in rows:
+        text = text_rows(runtime.tokenizer, b, 16 + max(windows))
         for w in windows:
-            times = runner.time_forward(b, w, repeats + 1)[1:]  # the first pays one-off costs
+            times = runner.time_forward(b, w, repeats + 1, text[:, :16 + w])[1:]  # the first pays one-off costs
             seconds[b, w] = statistics.median(times)
-    return {"seconds": seconds, "moe": moe_shape(runtime.target.config)}
+    return seconds
 
 
-def distinct_ratio(moe, tokens: int) -> str:
-    """Expected distinct experts read by `tokens` independently routed tokens ÷ one token's."""
-    if moe is None:
-        return "—"
-    experts, top_k = moe
-    return f"{experts * (1 - (1 - top_k / experts) ** tokens) / top_k:.2f}"
+def routing_stats(runtime: Runtime) -> str:
+    """Next-token overlap and distinct experts per window on held-out code, layer mean."""
+    routes = Routes(runtime.target.model)
+    text = text_rows(runtime.tokenizer, 1, 1024)
+    mx.eval(runtime.target.model(text))
+    per_layer = routes.last()
+    top_k = per_layer[0].shape[1]
+    overlap = np.mean([(s[1:, :, None] == s[:-1, None, :]).any(-1).sum(-1).mean() / top_k for s in per_layer])
+    windows = {w: np.mean([np.mean([len(np.unique(s[i:i + w])) for i in range(0, len(s) - w, w)])
+                           for s in per_layer]) for w in (2, 4, 8)}
+    return (f"next-token overlap {overlap:.3f} (independent: {top_k / moe_shape(runtime.target.config)[0]:.3f}); "
+            "distinct experts per window of " + ", ".join(f"{w}: {d:.1f}" for w, d in windows.items()))
 
 
-SORT_FROM = [64]  # mlx-lm's SwitchGLU sorts tokens by expert from 64 (token, expert) slots
-
-
-def sort_from_patch() -> None:
-    """mlx-lm's SwitchGLU with its sort threshold read from SORT_FROM (switchable per forward)."""
-    from mlx_lm.models import switch_layers as sl
-
-    def call(self, x, indices):
-        x = mx.expand_dims(x, (-2, -3))
-        indices = mx.stop_gradient(indices)
-        do_sort = indices.size >= SORT_FROM[0]
-        idx, inv_order = indices, None
-        if do_sort:
-            x, idx, inv_order = sl._gather_sort(x, indices)
-        x_up = self.up_proj(x, idx, sorted_indices=do_sort)
-        x_gate = self.gate_proj(x, idx, sorted_indices=do_sort)
-        x = self.down_proj(self.activation(x_up, x_gate), idx, sorted_indices=do_sort)
-        if do_sort:
-            x = sl._scatter_unsort(x, inv_order, indices.shape)
-        return x.squeeze(-2)
-
-    sl.SwitchGLU.__call__ = call
-
-
-def sort_comparison(profile: str, rows: list[int], windows: list[int], repeats: int, threshold: int) -> None:
-    """Forward time at mlx-lm's threshold and at `threshold`, alternating forward by forward on
-    the same rows (this machine's load drifts), for the shapes where the two differ."""
-    sort_from_patch()
-    loaded = load_profile(profile)
-    loaded.override("speculative.method", "none", "bench")
-    runtime = Runtime.load(loaded)
+def path_comparison(runtime: Runtime, rows: list[int], windows: list[int], repeats: int) -> None:
+    """The engine's path and mlx-lm's, alternating forward by forward on the same rows (this
+    machine's load drifts), with the bytes floor from the experts each forward routed to."""
     runner = TargetRunner(runtime.view)
-    top_k = moe_shape(runtime.target.config)[1]
-    print(f"\n### {profile}: grouping tokens by expert from {threshold} slots vs mlx-lm's 64 "
-          f"(median ms of {repeats} alternating forwards)\n")
-    print("| B | W | slots | mlx-lm (ms) | sorted (ms) | sorted ÷ mlx-lm |")
-    print("|---|---|---|---|---|---|")
+    routes = Routes(runtime.target.model)
+    other, expert = bytes_per_token(runtime)
+    layers = routes.layers
+    print("| B | W | distinct experts/layer | mlx-lm (ms) | union (ms) | union ÷ mlx-lm "
+          "| floor ÷ B·1 | mlx-lm ÷ B·1 | union ÷ B·1 |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for b in rows:
+        text = text_rows(runtime.tokenizer, b, 16 + max(windows))
+        base = None
         for w in windows:
-            if not threshold <= b * w * top_k < 64:
-                continue
-            times: dict[int, list[float]] = {64: [], threshold: []}
+            times: dict[str, list[float]] = {"mlx-lm": [], "union": []}
             for i in range(2 * repeats + 2):
-                SORT_FROM[0] = (64, threshold)[i % 2]
-                times[SORT_FROM[0]] += runner.time_forward(b, w, 2)[1:]
-            plain, grouped = (statistics.median(times[t][1:]) for t in (64, threshold))
-            print(f"| {b} | {w} | {b * w * top_k} | {plain * 1e3:.2f} | {grouped * 1e3:.2f} | "
-                  f"{grouped / plain:.3f} |", flush=True)
-    SORT_FROM[0] = 64
+                path = ("mlx-lm", "union")[i % 2]
+                if path == "mlx-lm":
+                    with expert_union.mlx_lm_path():
+                        times[path] += runner.time_forward(b, w, 2, text[:, :16 + w])[1:]
+                else:
+                    times[path] += runner.time_forward(b, w, 2, text[:, :16 + w])[1:]
+            distinct = routes.distinct()
+            plain, union = (statistics.median(times[p][1:]) for p in ("mlx-lm", "union"))
+            floor_bytes = other + distinct * layers * expert  # what the step must read
+            if base is None:  # W = 1 at this B: the reference each ratio divides by
+                base = (plain, floor_bytes)
+            print(f"| {b} | {w} | {distinct:.1f} | {plain * 1e3:.2f} | {union * 1e3:.2f} | {union / plain:.2f} "
+                  f"| {floor_bytes / base[1]:.2f} | {plain / base[0]:.2f} | {union / base[0]:.2f} |", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profiles", default="tiny-moe,tiny-wide")
+    ap.add_argument("--routing", default="trained", help="tiny-moe's router(s): trained,independent")
+    ap.add_argument("--bits", type=int, default=None, help="quantize the target in memory (e.g. 4)")
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--windows", default="1,2,3,4,5,6,7,8")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--sort-from", type=int, default=None,
-                    help="compare grouping tokens by expert from this many (token, expert) slots "
-                    "with mlx-lm's 64, on the MoE profiles, instead of the surface")
+    ap.add_argument("--paths", action="store_true",
+                    help="compare the engine's MoE path with mlx-lm's on the MoE profiles")
     args = ap.parse_args()
     rows = [int(x) for x in args.rows.split(",")]
     windows = [int(x) for x in args.windows.split(",")]
     for profile in args.profiles.split(","):
-        if args.sort_from is not None:
-            sort_comparison(profile, rows, windows, args.repeats, args.sort_from)
-            continue
-        result = surface(profile, rows, windows, args.repeats)
-        s, moe = result["seconds"], result["moe"]
-        print(f"\n### {profile}: forward time ÷ W = 1 at the same B (W = 1 in ms)\n")
-        print("| B | W=1 (ms) | " + " | ".join(f"W={w}" for w in windows[1:]) + " |")
-        print("|---|---|" + "---|" * (len(windows) - 1))
-        for b in rows:
-            one = s[b, windows[0]]
-            print(f"| {b} | {one * 1e3:.1f} | " + " | ".join(f"{s[b, w] / one:.2f}" for w in windows[1:]) + " |")
-        if moe:
-            print(f"| distinct experts ÷ top-k, B=1 ({moe[0]} experts, top {moe[1]}) | 1.00 | "
-                  + " | ".join(distinct_ratio(moe, w) for w in windows[1:]) + " |")
-        print(f"\nB = 16 ÷ B = 1 at W = 1: {s[rows[-1], windows[0]] / s[rows[0], windows[0]]:.2f}")
+        for routing in (args.routing.split(",") if profile.startswith("tiny-moe") else [None]):
+            runtime = load(profile, routing, args.bits)
+            moe = moe_shape(runtime.target.config)
+            label = profile + (f", {routing} routing" if routing else "") + (f", {args.bits}-bit" if args.bits else "")
+            if moe:
+                print(f"\n{label}: {routing_stats(runtime)}")
+            if args.paths:
+                if moe:
+                    print(f"\n### {label}: the engine's path vs mlx-lm's (median ms of {repeats_note(args)})\n")
+                    path_comparison(runtime, rows, windows, args.repeats)
+                continue
+            s = surface(runtime, rows, windows, args.repeats)
+            print(f"\n### {label}: forward time ÷ W = 1 at the same B (W = 1 in ms)\n")
+            print("| B | W=1 (ms) | " + " | ".join(f"W={w}" for w in windows[1:]) + " |")
+            print("|---|---|" + "---|" * (len(windows) - 1))
+            for b in rows:
+                one = s[b, windows[0]]
+                print(f"| {b} | {one * 1e3:.1f} | " + " | ".join(f"{s[b, w] / one:.2f}" for w in windows[1:]) + " |")
+            print(f"\nB = {rows[-1]} ÷ B = {rows[0]} at W = 1: {s[rows[-1], windows[0]] / s[rows[0], windows[0]]:.2f}")
+
+
+def repeats_note(args) -> str:
+    return f"{args.repeats} alternating forwards each"
 
 
 if __name__ == "__main__":

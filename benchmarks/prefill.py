@@ -76,7 +76,7 @@ def one_layer() -> None:
 
 
 def prompt_tokens(tokenizer, count: int, tag: int) -> list[int]:
-    from macspec.forge import corpus
+    from macspec import corpus
 
     text = "\n".join(corpus.read_texts(heldout=True))
     ids = tokenizer.encode(f"# request {tag}\n" + text, add_special_tokens=False)

@@ -41,7 +41,7 @@ from macspec.servebench.prompts import CODE  # noqa: E402
 
 
 def prompts(count: int) -> list[str]:
-    from macspec.forge import corpus
+    from macspec import corpus
 
     texts = [t for t in corpus.read_texts(heldout=True) if len(t) > 3000]
     step = max(1, len(texts) // count)

@@ -545,7 +545,8 @@ def profiles_show(name, as_json):
 FORGE_WHATS = (
     ("family", "the tiny family (target, MTP head, draft), trained on CPU; needs --out DIR (~35 min)"),
     ("tiny-wide", "the tiny target widened to ~206M parameters, same logits (tiny-wide-N: hidden N)"),
-    ("tiny-moe", "the tiny target as a 64-expert MoE, same logits"),
+    ("tiny-moe", "the tiny target as a 64-expert MoE, same logits, routing like a trained model"),
+    ("tiny-moe-independent", "tiny-moe with tokens routed independently (the cost surface's other end)"),
     ("kimi-k25-mini", "a few-MB replica of Kimi K2.5 (architecture, config keys, 4-bit)"),
     ("moonlight-mini", "a few-MB replica of Moonlight-16B-A3B, kimi-k25-mini's draft"),
     ("glm5-mini", "a few-MB replica of GLM-5 with its MTP layer"),
@@ -624,11 +625,11 @@ def _forge_head(what: str, out, recipe: str) -> None:
 
 def _forge_built(what: str, out) -> None:
     """A built:NAME model dir: tiny-wide(-N), tiny-moe or a seed replica."""
-    from .models.built import MOE_NAME, build_moe, build_replica, build_wide, built_dir, is_replica, wide_hidden
+    from .models.built import MOE_ROUTING, build_moe, build_replica, build_wide, built_dir, is_replica, wide_hidden
 
     path = out or built_dir(what)  # MacspecError for a tiny-wide-N the target cannot widen to
-    if what == MOE_NAME:
-        click.echo(f"built {what} (MoE) in {build_moe(path)}")
+    if what in MOE_ROUTING:
+        click.echo(f"built {what} (MoE, {MOE_ROUTING[what]} routing) in {build_moe(path, what)}")
     elif is_replica(what):
         click.echo(f"built {what} in {build_replica(what, path)}")
     else:

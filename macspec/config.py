@@ -91,6 +91,8 @@ class ModelConfig:
     chat: bool = spec(True, _bool, "apply the chat template to prompts (macspec run --chat/--raw)")
     cpu_prefill: bool = spec(True, _bool, "CPU backend: prefill's attention and SiLU in NumPy (its "
                              "vectorised exp; MLX's CPU exp is ~5x slower); false = MLX everywhere")
+    expert_union: bool = spec(True, _bool, "MoE targets: a multi-token step (a verify window, a batch) "
+                              "reads each distinct expert once; false = mlx-lm's per-pair gathers")
 
 
 @dataclass

@@ -103,7 +103,7 @@ def _known_name(name: str) -> str:
     except ModelLoadError:
         pass
     known = "; ".join([f"embedded: {', '.join(embedded)}", f"pulled: {', '.join(PULLS)}",
-                       f"built: tiny-wide, tiny-wide-N, tiny-moe, {', '.join(replica_names())}"])
+                       f"built: tiny-wide, tiny-wide-N, tiny-moe, tiny-moe-independent, {', '.join(replica_names())}"])
     raise ModelLoadError(f"{FLAG} {name}: no such file or directory, not a model macspec knows "
                          f"({known}) and not a Hugging Face id (owner/name)")
 

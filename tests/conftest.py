@@ -13,7 +13,7 @@ from macspec.engine.engine import Engine
 from macspec.engine.launch import calibrated_engine
 from macspec.engine.runtime import Runtime
 from macspec.sampling import SamplingParams
-from macspec.forge import corpus
+from macspec import corpus
 
 
 

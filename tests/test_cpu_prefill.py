@@ -12,7 +12,7 @@ from mlx_lm.models.activations import swiglu
 from macspec.models import cpu_prefill
 from macspec.models.cpu_prefill import attend, gated_silu, mlx_only
 from macspec.engine.engine import Engine
-from macspec.forge import corpus
+from macspec import corpus
 from macspec.sampling import SamplingParams
 
 

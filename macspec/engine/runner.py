@@ -159,11 +159,13 @@ class TargetRunner:
         self.slots.clear()
 
     # ---- housekeeping ----------------------------------------------------------------
-    def time_forward(self, rows: int, window: int, repeats: int) -> list[float]:
-        """Seconds per forward at (rows, window) on scratch rows of a 16-token prompt."""
+    def time_forward(self, rows: int, window: int, repeats: int,
+                     text: mx.array | None = None) -> list[float]:
+        """Seconds per forward at (rows, window) on scratch rows of a 16-token prompt; `text`
+        [rows, 16 + window] gives each row's prompt and window (else fixed random tokens)."""
         kv = BatchKV(self.layout)
-        prompt = mx.array(list(range(1, 17)))[None]
-        for _ in range(rows):
+        for row in range(rows):
+            prompt = mx.array(list(range(1, 17)))[None] if text is None else text[row:row + 1, :16]
             cache = make_trimmable_cache(self.view.model)
             mx.eval(self.view.hidden(prompt, cache), cache_arrays(cache))
             kv.add_row(cache, prompt.shape[1])
@@ -172,7 +174,7 @@ class TargetRunner:
         # looked nearly free and the policy drafted where a real window loses.
         vocab = int(self.view.inner.embed_tokens.weight.shape[0])
         tokens = mx.random.randint(1, max(2, min(vocab, 4096)), (rows, window),
-                                   key=mx.random.key(rows * 64 + window))
+                                   key=mx.random.key(rows * 64 + window)) if text is None else text[:, 16:]
         times = []
         for _ in range(repeats):
             kv.begin(window)

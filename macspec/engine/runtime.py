@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..config import Profile
 from ..errors import MacspecError, RequestError
-from ..models import cpu_prefill
+from ..models import cpu_prefill, expert_union
 from ..models.checkpoint import LoadedModel
 from ..models.loader import load_model
 from ..models.eagle3 import Eagle3Head
@@ -75,6 +75,7 @@ class Runtime:
         m = profile.model
         apply_wired_limit(profile.hardware.wired_limit_mb)  # Metal only: before weights land
         cpu_prefill.enable(m.cpu_prefill)
+        expert_union.enable(m.expert_union)
         with phase(f"loading {m.path}" + (f" (shard of {tp.size})" if tp else "")):
             target = load_model(m.path, m.dtype, m.revision, m.trust_remote_code,
                                 group=tp.group if tp else None)

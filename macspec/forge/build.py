@@ -12,7 +12,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import corpus, tokenizer, train
+from .. import corpus
+from . import tokenizer, train
 from .evaluate import evaluate_family
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import re
 import zlib
 from pathlib import Path
 
-from . import corpus
+from .. import corpus
 
 HELDOUT_MODULUS = 10  # 1 prompt in 10 is held out for evaluation
 MAN_DIR = Path("/usr/share/man/man1")

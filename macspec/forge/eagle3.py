@@ -27,7 +27,8 @@ from ..models.eagle3 import Eagle3Config, Eagle3Head
 from ..models.mtp import output_rows
 from ..models.view import ModelView
 from ..sampling import fast_exp, log_normalize
-from . import corpus, train
+from .. import corpus
+from . import train
 
 logger = logging.getLogger(__name__)
 

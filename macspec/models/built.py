@@ -5,7 +5,8 @@ the same logits; see widen.py) with its widened MTP head: a bandwidth-bound stan
 real target, drafted by the unchanged embedded:tiny-draft. `built:tiny-wide-N` is the same at
 hidden N. `built:tiny-moe` is the embedded target widened to hidden 512 and sparse-upcycled
 into a GLM-4.5-style MoE (64 experts, top 8, one shared expert; upcycle.py), again with the
-same logits: the stand-in for MoE targets. `built:kimi-k25-mini`, `built:moonlight-mini` and `built:glm5-mini` are miniature
+same logits: the stand-in for MoE targets, its routers fitted to route like a trained model's
+(`built:tiny-moe-independent`: tokens routed independently, the other end of the cost surface). `built:kimi-k25-mini`, `built:moonlight-mini` and `built:glm5-mini` are miniature
 replicas of the seed profiles' models (models/replicas.py: their architectures, config keys,
 layouts and quantization, a few MB each, built deterministically in seconds). Dirs live in
 paths.cache_dir()/models/NAME and are plain mlx-lm model dirs.
@@ -34,6 +35,7 @@ WIDE_HIDDEN = 1664
 BUILD_VERSION = 1  # bump when the written files change, so old caches are rebuilt
 _NAME = re.compile(r"tiny-wide(?:-(\d+))?")
 MOE_NAME = "tiny-moe"
+MOE_ROUTING = {MOE_NAME: "trained", f"{MOE_NAME}-independent": "independent"}  # name -> routing
 
 
 def replica_names() -> list[str]:
@@ -45,14 +47,14 @@ def is_replica(name: str) -> bool:
 
 
 def wide_hidden(name: str) -> int:
-    if name == MOE_NAME:
+    if name in MOE_ROUTING:
         from .upcycle import MOE_HIDDEN
 
         return MOE_HIDDEN
     match = _NAME.fullmatch(name)
     if not match:
         raise ModelLoadError(f"no built model {name!r}; built models: tiny-wide (hidden "
-                             f"{WIDE_HIDDEN}, ~206M parameters), tiny-wide-N (hidden N), {MOE_NAME} (MoE), "
+                             f"{WIDE_HIDDEN}, ~206M parameters), tiny-wide-N (hidden N), {', '.join(MOE_ROUTING)} (MoE), "
                              f"{', '.join(replica_names())} (replicas of the seed models)")
     hidden = int(match.group(1) or WIDE_HIDDEN)
     try:
@@ -73,7 +75,7 @@ def _stamp(hidden: int, recipe: str = "tiny-wide") -> dict:
     digest = hashlib.sha256()
     for file in sorted(p for p in (embedded_dir() / SOURCE).iterdir() if p.is_file()):
         digest.update(file.name.encode() + file.read_bytes())
-    if recipe == MOE_NAME:  # and so does a change to the upcycling recipe
+    if recipe in MOE_ROUTING:  # and so does a change to the upcycling recipe
         digest.update((Path(__file__).parent / "upcycle.py").read_bytes())
     return {"recipe": recipe, "hidden": hidden, "source": digest.hexdigest()[:16],
             "version": BUILD_VERSION}
@@ -85,8 +87,8 @@ def _replica_stamp(name: str) -> dict:
 
 
 def _stamp_for(name: str) -> dict:
-    if name == MOE_NAME:
-        return _stamp(wide_hidden(name), MOE_NAME)
+    if name in MOE_ROUTING:
+        return _stamp(wide_hidden(name), name)
     return _replica_stamp(name) if is_replica(name) else _stamp(wide_hidden(name))
 
 
@@ -101,8 +103,8 @@ def ensure_built(name: str) -> Path:
     what = f"building {name} (first use)"
     if is_replica(name):
         return find_built(name) or build_replica(name, built_dir(name), force=False, what=what)
-    if name == MOE_NAME:
-        return find_built(name) or build_moe(built_dir(name), force=False, what=what)
+    if name in MOE_ROUTING:
+        return find_built(name) or build_moe(built_dir(name), name, force=False, what=what)
     return find_built(name) or build_wide(built_dir(name), wide_hidden(name), force=False,
                                           what=what)
 
@@ -115,9 +117,9 @@ def build_wide(out: Path, hidden: int, force: bool = True, what: str | None = No
     return out
 
 
-def build_moe(out: Path, force: bool = True, what: str | None = None) -> Path:
-    """Write built:tiny-moe to `out`, atomically as build_wide does."""
-    out = build(out, _stamp_for(MOE_NAME), lambda tmp: _write_wide(tmp, wide_hidden(MOE_NAME), moe=True),
+def build_moe(out: Path, name: str = MOE_NAME, force: bool = True, what: str | None = None) -> Path:
+    """Write built:tiny-moe(-independent) to `out`, atomically as build_wide does."""
+    out = build(out, _stamp_for(name), lambda tmp: _write_wide(tmp, wide_hidden(name), moe=name),
                 force, what)
     logger.info("built %s (MoE)", out)
     return out
@@ -135,12 +137,13 @@ def _write_replica(out: Path, name: str) -> None:
     (out / STAMP).write_text(json.dumps(_replica_stamp(name), indent=2) + "\n")
 
 
-def _write_wide(out: Path, hidden: int, moe: bool = False) -> None:
+def _write_wide(out: Path, hidden: int, moe: str | None = None) -> None:
+    """`moe`: the MoE name to upcycle into (its routing), else the dense widened target."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     from .checkpoint import load_dir, load_mtp_head
-    from .upcycle import upcycle_mtp_head, upcycle_target
+    from .upcycle import fit_tokens, upcycle_mtp_head, upcycle_target
     from .widen import widen_mtp_head, widen_target
 
     source = embedded_dir() / SOURCE
@@ -148,7 +151,7 @@ def _write_wide(out: Path, hidden: int, moe: bool = False) -> None:
     wide, config = widen_target(target.model, target.config, hidden)
     head = widen_mtp_head(load_mtp_head(target), wide, target.config, config)
     if moe:
-        wide, config = upcycle_target(wide, config)
+        wide, config = upcycle_target(wide, config, fit_tokens(target.tokenizer), MOE_ROUTING[moe])
         head = upcycle_mtp_head(head, wide, config)
     meta = {"format": "mlx"}
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(wide.parameters())), meta)
@@ -159,4 +162,4 @@ def _write_wide(out: Path, hidden: int, moe: bool = False) -> None:
     for file in source.iterdir():
         if file.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy2(file, out / file.name)
-    (out / STAMP).write_text(json.dumps(_stamp(hidden, MOE_NAME if moe else "tiny-wide"), indent=2) + "\n")
+    (out / STAMP).write_text(json.dumps(_stamp(hidden, moe or "tiny-wide"), indent=2) + "\n")

@@ -8,18 +8,28 @@ one shared expert, the second half is copied into each of 64 routed experts. A f
 router (sigmoid scores, top 8, gates renormalised to sum to 1, as GLM's `noaux_tc` with
 `norm_topk_prob`) picks 8 copies per token, so Σ gate · copy equals the dense half: the logits
 equal the dense target's up to float rounding, and the draft and MTP head keep their
-acceptance. Routed experts are 2/3 of the bytes a token reads (Kimi K2.5: about as much), and
-a verify window of W tokens reads as many distinct experts as W tokens' independent routings
-touch: the cost that makes speculation lose on MoE targets.
+acceptance. Routed experts are 2/3 of the bytes a token reads (Kimi K2.5: about as much).
+
+Which copies a window's tokens pick sets what verifying it costs (the distinct experts it reads),
+so the router is fitted to a routing statistic, never left to chance: a random projection of the
+hidden state routes by popularity (a few experts for every token: 0.29-0.42 overlap between far
+apart tokens), which trained, load-balanced routers do not. Each layer's router reads the
+hidden state's components (mean removed) that change slowly from token to token and those that
+change fast (slow feature analysis on the stdlib corpus), mixed so that consecutive tokens share
+NEXT_TOKEN_OVERLAP of their experts (`trained`, a trained router's ~38 %), or fast ones only, so
+tokens route independently (`independent`, 8/64 = 12.5 % by chance): the two ends of the cost
+surface (benchmarks/cost_surface.py).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import glm4_moe
 
+from .. import corpus
 from .mtp import MTPHead, make_block_like
 
 MOE_HIDDEN = 512
@@ -28,6 +38,9 @@ TOP_K = 8
 EXPERT_UNITS = 384  # each routed expert and the shared expert; 2 x 384 = the 768 trained units
 DENSE_LAYERS = 1
 ROUTER_SEED = 0
+ROUTINGS = ("trained", "independent")
+NEXT_TOKEN_OVERLAP = 0.38  # of a token's experts, shared with the token before (Cohere, 2026-04)
+FIT_TOKENS = 4096  # corpus tokens whose hidden states the routers are fitted on
 
 
 def moe_config(wide: dict) -> dict:
@@ -61,9 +74,10 @@ def _moe_mlp(mlp: dict[str, mx.array], router: mx.array) -> dict[str, mx.array]:
             "gate.weight": router, "gate.e_score_correction_bias": mx.zeros((EXPERTS,))}
 
 
-def _convert(flat: dict[str, mx.array], moe_layers: set[str], key: mx.array) -> dict[str, mx.array]:
+def _convert(flat: dict[str, mx.array], moe_layers: set[str], key: mx.array,
+             routers: dict[str, mx.array] | None = None) -> dict[str, mx.array]:
     """Flat llama parameters -> glm4_moe names: MLPs under a prefix in `moe_layers` upcycled
-    (each its own router, from `key`), the rest copied."""
+    (each its router from `routers`, else a random one from `key`), the rest copied."""
     out, mlps = {}, {}
     for name, value in flat.items():
         layer, sep, rest = name.partition(".mlp.")
@@ -74,18 +88,26 @@ def _convert(flat: dict[str, mx.array], moe_layers: set[str], key: mx.array) -> 
     for index, (layer, mlp) in enumerate(sorted(mlps.items())):
         hidden = mlp["gate_proj.weight"].shape[1]
         router = mx.random.normal((EXPERTS, hidden), key=mx.random.split(key, len(mlps))[index])
-        out.update({f"{layer}.mlp.{k}": v for k, v in _moe_mlp(mlp, router * hidden ** -0.5).items()})
+        router = routers[layer] if routers else router * hidden ** -0.5
+        out.update({f"{layer}.mlp.{k}": v for k, v in _moe_mlp(mlp, router).items()})
     return out
 
 
-def upcycle_target(wide: nn.Module, wide_cfg: dict) -> tuple[nn.Module, dict]:
-    """The widened dense target -> (glm4_moe model, its config), same logits."""
+def upcycle_target(wide: nn.Module, wide_cfg: dict, tokens: list[int] | None = None,
+                   routing: str = "trained") -> tuple[nn.Module, dict]:
+    """The widened dense target -> (glm4_moe model, its config), same logits; its routers fitted
+    on the hidden states of `tokens` (None: random projections, popularity routing)."""
     config = moe_config(wide_cfg)
     model = glm4_moe.Model(glm4_moe.ModelArgs.from_dict(config))
     flat = dict(tree_flatten(wide.parameters()))
     flat["lm_head.weight"] = flat["model.embed_tokens.weight"]  # the tiny target ties them
     moe_layers = {f"model.layers.{i}" for i in range(DENSE_LAYERS, config["num_hidden_layers"])}
-    model.update(tree_unflatten(list(_convert(flat, moe_layers, mx.random.key(ROUTER_SEED)).items())))
+    routers = None
+    if tokens is not None:
+        states = mlp_inputs(wide, tokens, sorted(moe_layers))
+        routers = {layer: mx.array(fit_router(x, routing, seed=i).astype(np.float32))
+                   for i, (layer, x) in enumerate(states.items())}
+    model.update(tree_unflatten(list(_convert(flat, moe_layers, mx.random.key(ROUTER_SEED), routers).items())))
     mx.eval(model.parameters())
     return model, config
 
@@ -98,3 +120,76 @@ def upcycle_mtp_head(head: MTPHead, moe_model: nn.Module, config: dict) -> MTPHe
     moe_head.update(tree_unflatten(list(_convert(flat, {"block"}, mx.random.key(ROUTER_SEED + layer)).items())))
     mx.eval(moe_head.parameters())
     return moe_head
+
+
+def fit_tokens(tokenizer) -> list[int]:
+    """FIT_TOKENS tokens of the stdlib corpus's training side (the forge's held-out files stay out)."""
+    tokens: list[int] = []
+    for text in corpus.read_texts(heldout=False):
+        tokens += tokenizer.encode(text)
+        if len(tokens) >= FIT_TOKENS:
+            break
+    return tokens[:FIT_TOKENS]
+
+
+def mlp_inputs(model: nn.Module, tokens: list[int], layers: list[str]) -> dict[str, np.ndarray]:
+    """Each named layer's MLP input (the post-attention-norm hidden state) for `tokens` run
+    through the dense model in 512-token segments -> {layer: [T, D]}."""
+    caught: dict[str, list] = {name: [] for name in layers}
+    blocks = {f"model.layers.{i}": block for i, block in enumerate(model.model.layers)}
+
+    def recorder(name, mlp):
+        def record(x):
+            caught[name].append(np.array(x.reshape(-1, x.shape[-1])))
+            return mlp(x)
+        return record
+
+    originals = {name: blocks[name].mlp for name in layers}
+    for name in layers:
+        blocks[name].mlp = recorder(name, originals[name])
+    try:
+        for start in range(0, len(tokens), 512):
+            mx.eval(model(mx.array([tokens[start:start + 512]])))
+    finally:
+        for name in layers:
+            blocks[name].mlp = originals[name]
+    return {name: np.concatenate(parts) for name, parts in caught.items()}
+
+
+def _overlap(states: np.ndarray, router: np.ndarray) -> float:
+    """Mean fraction of a token's top-k experts shared with the token before."""
+    top = np.argsort(-(states @ router.T), axis=1)[:, :TOP_K]
+    shared = (top[1:, :, None] == top[:-1, None, :]).any(-1).sum(-1)
+    return float(shared.mean() / TOP_K)
+
+
+def fit_router(states: np.ndarray, routing: str, seed: int) -> np.ndarray:
+    """A router [E, D] for hidden states [T, D] (in order): random combinations of the slow and
+    the fast features, mixed to NEXT_TOKEN_OVERLAP (`trained`) or of the fast ones only."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {ROUTINGS}, not {routing!r}")
+    mean = states.mean(0)
+    ahead = mean / np.linalg.norm(mean)
+    flat = states - np.outer(states @ ahead, ahead)  # no popular experts: the mean direction out
+    cov = np.cov(flat.T, bias=True)
+    step = np.diff(flat, axis=0)
+    spread, basis = np.linalg.eigh(cov)
+    live = spread > 1e-6 * spread.max()  # the widened stream lives in a subspace
+    whiten = basis[:, live] / np.sqrt(spread[live])
+    change, features = np.linalg.eigh(np.cov((step @ whiten).T, bias=True))  # slowest first
+    directions = whiten @ features  # [D, live], unit variance each, slowest first
+    rng = np.random.default_rng(ROUTER_SEED + seed)
+    half = directions.shape[1] // 2
+    slow = rng.normal(size=(EXPERTS, 8)) @ directions[:, :8].T
+    fast = rng.normal(size=(EXPERTS, half)) @ directions[:, -half:].T
+    slow, fast = (w / np.std(flat @ w.T) for w in (slow, fast))
+    if routing == "independent":
+        return fast
+    low, high = 0.0, 1.0  # the share of slow features: overlap grows with it
+    for _ in range(20):
+        mix = (low + high) / 2
+        if _overlap(flat, mix * slow + (1 - mix) * fast) < NEXT_TOKEN_OVERLAP:
+            low = mix
+        else:
+            high = mix
+    return mix * slow + (1 - mix) * fast
