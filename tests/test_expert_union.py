@@ -20,7 +20,7 @@ def routing(tokens: int, seed: int) -> mx.array:
 
 
 @pytest.mark.parametrize("bits", [None, 4])
-@pytest.mark.parametrize("shape", [(1, 3), (2, 4), (4, 8), (1, 70)])
+@pytest.mark.parametrize("shape", [(1, 2), (2, 4), (4, 8), (1, 70)])
 def test_union_computes_what_mlx_lm_computes(bits, shape):
     glu = SwitchGLU(D, H, EXPERTS)
     if bits:

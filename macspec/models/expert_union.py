@@ -13,7 +13,7 @@ mlx-lm's, so the caller's gate-weighted sum over slots is unchanged.
 One switch (the profile's `model.expert_union`, on by default) routes `SwitchGLU.__call__` here
 for steps of MIN_TOKENS tokens or more, prefill chunks included (on this CPU mlx-lm's sorted
 path, from 64 pairs, reads the expert per pair too: 2,048 tokens took 5.0 s there, 0.55 s here);
-one token (plain decoding at one row) and two stay on mlx-lm's path, which costs the same there.
+one token (plain decoding at one row) stays on mlx-lm's path: nothing to share.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from contextlib import contextmanager
 import mlx.core as mx
 import numpy as np
 
-# Tokens per step from which the union runs (one MoE layer, 64 experts of 384 units, 2026-11-26):
-# 1.01x mlx-lm's time at 2 tokens, 0.94x at 3, 0.6-0.7x at 4-16, 0.1-0.3x from 64.
-MIN_TOKENS = 3
+# Tokens per step from which the union runs: on tiny-moe (trained-like routing, 2026-11-26) a
+# 2-token window took 0.99x mlx-lm's time, 3 tokens 0.89x, 4-8 0.66-0.76x, batches 0.3-0.7x.
+MIN_TOKENS = 2
 PATCHED = "_macspec_expert_union"
 _switch = {"on": True}  # the profile's model.expert_union (Runtime.load and TP workers set it)
 
