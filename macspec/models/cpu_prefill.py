@@ -20,36 +20,24 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
+
+from .switch import Switch
 
 logger = logging.getLogger(__name__)
 
 MIN_QUERIES = 64  # positions per block below which MLX runs (decode, verify windows)
 ROW_BLOCK = 64  # query rows per unit of work: 3 heads x 64 x 4k scores stay in a 1 MB L2
 PATCHED = "_macspec_cpu_prefill"  # set on a module once its functions are routed here
-_switch = {"on": True}  # the profile's model.cpu_prefill (Runtime.load and TP workers set it)
-
-
-def enable(on: bool) -> None:
-    _switch["on"] = on
-
-
-@contextmanager
-def mlx_only():
-    """MLX's own attention and SiLU everywhere inside (a reference to compare with)."""
-    before = _switch["on"]
-    _switch["on"] = False
-    try:
-        yield
-    finally:
-        _switch["on"] = before
+_switch = Switch()  # the profile's model.cpu_prefill
+enable = _switch.set
+mlx_only = _switch.off  # mlx-lm's own path inside: the reference
 
 
 def _here(x: mx.array, positions: int) -> bool:
-    return (_switch["on"] and positions >= MIN_QUERIES and x.dtype == mx.float32
+    return (_switch.on and positions >= MIN_QUERIES and x.dtype == mx.float32
             and mx.default_device() == mx.cpu)
 
 

@@ -21,31 +21,18 @@ expert once per block of rows (from MLX's kernel selection; not measured here).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import mlx.core as mx
 import numpy as np
+
+from .switch import Switch
 
 # Tokens per step from which the union runs: on tiny-moe (trained-like routing, 2026-11-26) a
 # 2-token window took 0.99x mlx-lm's time, 3 tokens 0.89x, 4-8 0.66-0.76x, batches 0.3-0.7x.
 MIN_TOKENS = 2
 PATCHED = "_macspec_expert_union"
-_switch = {"on": True}  # the profile's model.expert_union (Runtime.load and TP workers set it)
-
-
-def enable(on: bool) -> None:
-    _switch["on"] = on
-
-
-@contextmanager
-def mlx_lm_path():
-    """mlx-lm's own SwitchGLU inside (a reference to compare with)."""
-    before = _switch["on"]
-    _switch["on"] = False
-    try:
-        yield
-    finally:
-        _switch["on"] = before
+_switch = Switch()  # the profile's model.expert_union
+enable = _switch.set
+mlx_lm_path = _switch.off  # mlx-lm's own path inside: the reference
 
 
 def layout(indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -83,7 +70,7 @@ def _engages(glu, indices: mx.array) -> bool:
     tokens = indices.size // indices.shape[-1]
     # MLX's CPU quantized matmul is fast only as a matvec: stacked rows cost 1.4-2.2x there.
     quantized_on_cpu = hasattr(glu.up_proj, "scales") and mx.default_device() == mx.cpu
-    return _switch["on"] and tokens >= MIN_TOKENS and not quantized_on_cpu
+    return _switch.on and tokens >= MIN_TOKENS and not quantized_on_cpu
 
 
 def install() -> bool:
