@@ -104,8 +104,8 @@ CONFIGS = {
 # Every single proposer alone at T = 1 and batched with penalties and filters (the hardest
 # regime; a batched row also runs alone once the others finish); a composite (its parts are
 # covered) batched only.
-CASES = [(m, c, b) for m in SINGLE_NAMES for c, b in (("t1", 1), ("processed", 8))] + \
-        [(m, "processed", 8) for m in PROPOSER_NAMES if m not in SINGLE_NAMES]
+CASES = [(m, c, b) for m in SINGLE_NAMES for c, b in (("t1", 1), ("processed", 4))] + \
+        [(m, "processed", 4) for m in PROPOSER_NAMES if m not in SINGLE_NAMES]
 
 
 @pytest.mark.parametrize("method,config,batch", CASES)
