@@ -45,15 +45,14 @@ def runtime_for():
     return tiny_runtime
 
 
-_ENGINES: dict[tuple[int, int], Engine] = {}
+_ENGINES: dict[int, Engine] = {}
 
 
-def engine_for(runtime: Runtime, max_batch: int = 8) -> Engine:
-    """The engine `serve` uses, synchronous, one per runtime and batch (its costs calibrated)."""
-    key = (id(runtime), max_batch)
-    if key not in _ENGINES:
-        _ENGINES[key] = calibrated_engine(runtime, max_batch=max_batch)
-    return _ENGINES[key]
+def engine_for(runtime: Runtime) -> Engine:
+    """The engine `serve` uses, synchronous, one per runtime (its cost model calibrated)."""
+    if id(runtime) not in _ENGINES:
+        _ENGINES[id(runtime)] = calibrated_engine(runtime, max_batch=8)
+    return _ENGINES[id(runtime)]
 
 
 def generate(runtime: Runtime, prompt: list[int], max_tokens: int, params: SamplingParams,
