@@ -181,7 +181,7 @@ def main() -> None:
                 print(f"\n{label}: {routing_stats(runtime)}")
             if args.paths:
                 if moe:
-                    print(f"\n### {label}: the engine's path vs mlx-lm's (median ms of {repeats_note(args)})\n")
+                    print(f"\n### {label}: the engine's path vs mlx-lm's (median ms of {args.repeats} alternating forwards each)\n")
                     path_comparison(runtime, rows, windows, args.repeats)
                 continue
             s = surface(runtime, rows, windows, args.repeats)
@@ -192,10 +192,6 @@ def main() -> None:
                 one = s[b, windows[0]]
                 print(f"| {b} | {one * 1e3:.1f} | " + " | ".join(f"{s[b, w] / one:.2f}" for w in windows[1:]) + " |")
             print(f"\nB = {rows[-1]} ÷ B = {rows[0]} at W = 1: {s[rows[-1], windows[0]] / s[rows[0], windows[0]]:.2f}")
-
-
-def repeats_note(args) -> str:
-    return f"{args.repeats} alternating forwards each"
 
 
 if __name__ == "__main__":

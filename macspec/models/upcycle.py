@@ -87,8 +87,8 @@ def _convert(flat: dict[str, mx.array], moe_layers: set[str], key: mx.array,
             out[name] = value
     for index, (layer, mlp) in enumerate(sorted(mlps.items())):
         hidden = mlp["gate_proj.weight"].shape[1]
-        router = mx.random.normal((EXPERTS, hidden), key=mx.random.split(key, len(mlps))[index])
-        router = routers[layer] if routers else router * hidden ** -0.5
+        router = routers[layer] if routers else (
+            mx.random.normal((EXPERTS, hidden), key=mx.random.split(key, len(mlps))[index]) * hidden ** -0.5)
         out.update({f"{layer}.mlp.{k}": v for k, v in _moe_mlp(mlp, router).items()})
     return out
 
