@@ -187,6 +187,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="alternating repeats per level (mean)")
     ap.add_argument("--tensor-parallel", type=int, default=1, help="macspec over N local ranks "
                     "(ring over 127.0.0.1; mlx_lm.server has no TP: use with --no-mlx-lm)")
+    ap.add_argument("--dtype", default="float32", help="the models' compute dtype (float32: CPU "
+                    "matmuls are slow in half precision; bfloat16 on a GPU)")
     ap.add_argument("--threads", type=int, help="OPENBLAS_NUM_THREADS for every server (a fair "
                     "serving-overhead comparison on a machine with other load)")
     args = ap.parse_args()
@@ -217,7 +219,7 @@ def main() -> None:
         texts = prompts(32) if args.prompts == "heldout" else CODE
         method = f'method = "draft"\ndraft_model = "{draft}"\n'
     profile = work / "bench.toml"
-    profile.write_text(f'name = "bench"\n[model]\npath = "{target}"\ndtype = "float32"\nchat = false\n'
+    profile.write_text(f'name = "bench"\n[model]\npath = "{target}"\ndtype = "{args.dtype}"\nchat = false\n'
                        f'[speculative]\n{method}'
                        f'num_draft_tokens = {args.num_draft}\n[kv]\nmax_context = 4096\n'
                        f'[server]\nmax_batch = {max(levels)}\nmax_queue = 256\n'

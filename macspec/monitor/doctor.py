@@ -98,7 +98,11 @@ class Doctor:
                  None if py >= (3, 10) else "install Python 3.10 or newer")
         self.add("versions", OK, f"macspec {__version__}, mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}")
         backend = backend_name()
-        if backend == "metal" or (backend == "cuda" and not self.macos):
+        if backend == "cuda" and not self.macos:
+            from .memory import gpu_description
+
+            self.add("MLX backend", OK, f"cuda: {gpu_description()}")
+        elif backend == "metal":
             self.add("MLX backend", OK, backend)
         elif self.macos:
             self.add("MLX backend", FAIL, "CPU only: Metal is unavailable",

@@ -142,8 +142,33 @@ def device_limits() -> dict:
     recommended = info.get("max_recommended_working_set_size")
     if recommended:
         out["recommended_working_set_bytes"] = int(recommended)
-    out["limit_bytes"] = int(recommended or vm.total)
+    # CUDA: the GPU's own memory bounds weights and KV, not the host's RAM.
+    gpu_total = info.get("total_memory") or info.get("memory_size") if out["backend"] == "cuda" else None
+    if gpu_total:
+        out["gpu_total_bytes"] = int(gpu_total)
+    out["limit_bytes"] = int(recommended or gpu_total or vm.total)
     return out
+
+
+def gpu_description() -> str:
+    """The CUDA GPU as MLX and the driver see it ("NVIDIA H200, 141 GB, sm_90, driver 580.x")."""
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    parts = [str(info.get("device_name") or "unknown GPU")]
+    total = info.get("total_memory") or info.get("memory_size")
+    if total:
+        parts.append(f"{int(total) / 2**30:.0f} GB")
+    if "compute_capability_major" in info:
+        parts.append(f"sm_{info['compute_capability_major']}{info.get('compute_capability_minor', 0)}")
+    try:  # the driver's version is nvidia-smi's to tell (MLX does not report it)
+        import subprocess
+
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=15).stdout.strip().splitlines()
+        if driver:
+            parts.append(f"driver {driver[0]}")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return ", ".join(parts)
 
 
 def backend_name() -> str:
