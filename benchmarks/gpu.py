@@ -20,6 +20,9 @@ until --budget-s runs out:
         [--smoke]   (tiny sizes: checks the script on a CPU in a few minutes)
 
 Writes DIR/report.md, DIR/report.json and DIR/log.txt (every phase's output), after each phase.
+On a machine without network: `python benchmarks/gpu_payload.py` packs the wheels into .gpu/
+(git-ignored locally), which travels with the repo; there `bash .gpu/run.sh TIMEOUT_S BUDGET_S`
+installs them and runs this (on 2026-11-26: ~7 minutes on an H200, docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import ModelLoadError, UnsupportedModelError
-from . import cpu_prefill, expert_union
+from . import cpu_prefill, expert_union, window_attention
 from .mtp import (MTPHead, dequantized_params, head_summary, make_block_like, output_rows,
                   quantize_as_stored, quantized_modules)
 from .textconfig import language_config
@@ -84,6 +84,7 @@ def load_dir(path: Path, dtype: str = "auto", trust_remote_code: bool = False, g
         model.set_dtype(target_dtype)
     mx.eval(model.parameters())
     cpu_prefill.install()  # its model module's attention and SiLU (where the switch is on)
+    window_attention.install()  # CUDA: verify windows unfused (no cuDNN graph per shape)
     expert_union.install()  # MoE layers: a step's distinct experts read once each
     return LoadedModel(model, tokenizer, path, config)
 

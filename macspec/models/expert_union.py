@@ -16,7 +16,11 @@ path, from 64 pairs, reads the expert per pair too: 2,048 tokens took 5.0 s ther
 one token (plain decoding at one row) stays on mlx-lm's path: nothing to share. So do quantized
 experts on the CPU backend, where MLX's quantized matmul of stacked rows is slower than its
 per-pair matvecs (4-bit tiny-moe: 1.4-2.2x); on Metal stacked rows take `qmm`, which reads an
-expert once per block of rows (from MLX's kernel selection; not measured here).
+expert once per block of rows (from MLX's kernel selection; not measured here). On CUDA the
+layout's host round trip drains the GPU's queue once per MoE layer: on an H200 tiny-moe's
+2-token window took 5.9 ms through here against 2.5 ms on mlx-lm's path, and 4 or 16 rows
+6.7-8.0 ms against 3.6-4.2 (docs/benchmarks.md, "On an NVIDIA GPU"), so CUDA keeps mlx-lm's
+path. Metal's queue drains the same way; whether its saved reads pay for it is not measured.
 """
 
 from __future__ import annotations
@@ -69,8 +73,10 @@ def union_glu(glu, x: mx.array, indices: mx.array) -> mx.array:
 def _engages(glu, indices: mx.array) -> bool:
     tokens = indices.size // indices.shape[-1]
     # MLX's CPU quantized matmul is fast only as a matvec: stacked rows cost 1.4-2.2x there.
-    quantized_on_cpu = hasattr(glu.up_proj, "scales") and mx.default_device() == mx.cpu
-    return _switch.on and tokens >= MIN_TOKENS and not quantized_on_cpu
+    on_cpu = mx.default_device() == mx.cpu
+    quantized_on_cpu = hasattr(glu.up_proj, "scales") and on_cpu
+    on_cuda = not on_cpu and not mx.metal.is_available()  # the host round trip costs 2x there
+    return _switch.on and tokens >= MIN_TOKENS and not quantized_on_cpu and not on_cuda
 
 
 def install() -> bool:

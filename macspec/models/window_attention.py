@@ -1,0 +1,92 @@
+"""Verification windows' attention on MLX's CUDA backend: two matmuls and a softmax.
+
+MLX's CUDA `scaled_dot_product_attention` runs one query through its own vector kernel, but 2 or
+more queries through a cuDNN graph built for that exact (batch, queries, keys) shape. Building
+one took ~55 ms on an H200 (then ~0.1 ms once cached), and a verify window meets a new key
+length on every step: fixed k = 1 served 17 tok/s against 536 plain on tiny-wide (docs/
+benchmarks.md, "On an NVIDIA GPU"). The same window unfused took 0.12-0.17 ms for any shape.
+
+So on CUDA, blocks of 2..MAX_QUERIES queries (verify windows, short prompts' tails) attend here,
+unless their scores would exceed MAX_SCORES elements; one query and prefill chunks keep MLX's
+kernels. Metal's kernels are compiled ahead for every shape: they keep MLX's path, as the CPU.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+
+from .switch import Switch
+
+MAX_QUERIES = 32  # a verify window is the draft length + 1; longer blocks are prefill chunks
+MAX_SCORES = 1 << 27  # B·H·queries·keys float32 scores (512 MB) past which MLX's kernel runs
+PATCHED = "_macspec_window_attention"
+_switch = Switch()
+mlx_only = _switch.off  # MLX's fused kernel inside: the reference
+_force = Switch()  # tests: engage on any device (the CPU has no CUDA to show the path on)
+_force.on = False
+
+
+def _engages(queries: mx.array, keys: mx.array, cache, mask, sinks) -> bool:
+    batch, heads, length, _ = queries.shape
+    on_device = _force.on or (mx.default_device() == mx.gpu and not mx.metal.is_available())
+    return (_switch.on and on_device and 2 <= length <= MAX_QUERIES and sinks is None
+            and not hasattr(cache, "bits") and batch * heads * length * keys.shape[2] <= MAX_SCORES
+            and (mask is None or isinstance(mask, mx.array) or mask == "causal"))
+
+
+def attend(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
+    """softmax(q·kᵀ·scale + mask)·v with the query heads of each KV head's group stacked (GQA);
+    the softmax in float32, as MLX's kernels keep it."""
+    batch, heads, length, dim = queries.shape
+    kv_heads, keys_len = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    q = (queries * scale).reshape(batch, kv_heads, group * length, dim)
+    scores = (q @ keys.swapaxes(-1, -2)).astype(mx.float32)
+    scores = scores.reshape(batch, kv_heads, group, length, keys_len)
+    if isinstance(mask, str):  # "causal": the queries are the last `length` positions
+        rows = mx.arange(keys_len - length, keys_len)[:, None]
+        mask = rows >= mx.arange(keys_len)[None]
+    if mask is not None:
+        mask = _by_group(mask, kv_heads, group)
+        scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
+    weights = mx.softmax(scores, axis=-1).astype(values.dtype)
+    out = weights.reshape(batch, kv_heads, group * length, keys_len) @ values
+    return out.reshape(batch, heads, length, values.shape[-1])
+
+
+def _by_group(mask: mx.array, kv_heads: int, group: int) -> mx.array:
+    """A mask broadcastable to [B, H, L, S] as one to [B, KV, G, L, S]."""
+    while mask.ndim < 4:
+        mask = mask[None]
+    if mask.shape[1] == 1:
+        return mask[:, :, None]
+    return mask.reshape(mask.shape[0], kv_heads, group, *mask.shape[2:])
+
+
+def routed(original):
+    """mlx-lm's `scaled_dot_product_attention(q, k, v, cache, scale, mask, sinks=None)`."""
+
+    def attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if _engages(queries, keys, cache, mask, sinks):
+            return attend(queries, keys, values, scale, mask)
+        return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+    attention.__wrapped__ = original
+    return attention
+
+
+def install() -> int:
+    """Route attention in every loaded `mlx_lm.models.*` module through here; idempotent.
+    -> the number of modules patched now."""
+    patched = 0
+    for name in [n for n in list(sys.modules) if n.startswith("mlx_lm.models.")]:
+        module = sys.modules.get(name)
+        if module is None or getattr(module, PATCHED, False) or name == "mlx_lm.models.base":
+            continue
+        if callable(getattr(module, "scaled_dot_product_attention", None)):
+            module.scaled_dot_product_attention = routed(module.scaled_dot_product_attention)
+        setattr(module, PATCHED, True)
+        patched += 1
+    return patched
