@@ -553,6 +553,7 @@ FORGE_WHATS = (
     ("smollm2-mtp", "SmolLM2's MTP head, trained on its own answers (~30 min)"),
     ("smollm2-eagle3", "SmolLM2's EAGLE-3 head in the published layout (~60 min)"),
     ("tiny-eagle3", "the tiny target's EAGLE-3 head, from its training corpus (minutes)"),
+    ("tiny-dflash", "the tiny target's DFlash block drafter, from its training corpus (~12 min)"),
 )
 
 
@@ -574,7 +575,7 @@ def _forge_usage(problem: str) -> click.UsageError:
               help="Output directory (family: required; tiny-wide and the replicas: default the "
                    "cache dir that built:NAME resolves to; smollm2-mtp: the shipped head).")
 @click.option("--recipe", type=click.Choice(["full", "smoke"]), default="full", show_default=True,
-              help="family, smollm2-mtp, smollm2-eagle3 and tiny-eagle3 only.")
+              help="family, smollm2-mtp, smollm2-eagle3, tiny-eagle3 and tiny-dflash only.")
 @click.option("--reuse-target", is_flag=True,
               help="family only: keep OUT/tiny-target (tokenizer, target, MTP head); re-distill the "
                    "draft only.")
@@ -593,7 +594,7 @@ def forge(what, out, recipe, reuse_target, log_level):
         from .forge.build import RECIPES, forge as run_forge
 
         click.echo(json.dumps(run_forge(path, RECIPES[recipe], reuse_target=reuse_target), indent=2))
-    elif what in ("tiny-eagle3", "smollm2-eagle3", "smollm2-mtp"):
+    elif what in ("tiny-eagle3", "tiny-dflash", "smollm2-eagle3", "smollm2-mtp"):
         _forge_head(what, path, recipe)
     else:
         _forge_built(what, path)
@@ -609,6 +610,12 @@ def _forge_head(what: str, out, recipe: str) -> None:
         path = out or embedded_dir() / "tiny-target" / "eagle3"  # shipped with it
         click.echo(json.dumps(forge_on_corpus(path, CORPUS_RECIPES[recipe]), indent=2))
         click.echo(f"wrote the tiny target's EAGLE-3 head into {path}")
+    elif what == "tiny-dflash":
+        from .forge.dflash import RECIPES as DFLASH_RECIPES, forge_drafter
+
+        path = out or embedded_dir() / "tiny-target" / "dflash"  # shipped with it
+        click.echo(json.dumps(forge_drafter(path, DFLASH_RECIPES[recipe]), indent=2))
+        click.echo(f"wrote the tiny target's DFlash drafter into {path}")
     elif what == "smollm2-eagle3":
         from .forge.smollm2_eagle3 import HEAD_ASSET, RECIPES, forge_head
 

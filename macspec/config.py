@@ -101,6 +101,8 @@ class SpeculativeConfig:
     draft_model: str | None = spec(None, _optional(_string), "draft model (method = draft)")
     eagle3_head: str | None = spec(None, _optional(_string), "EAGLE-3 head dir or Hugging Face id "
                                    "(method = eagle3; default: the head shipped with the target)")
+    dflash_drafter: str | None = spec(None, _optional(_string), "DFlash drafter dir or Hugging Face "
+                                      "id (method = dflash; made for this target; default: the one shipped with it)")
     num_draft_tokens: int = spec(4, _range(1, 32, integer=True), "max draft tokens per step (k)")
     adaptive: bool = spec(True, _bool, "choose k per request from measured acceptance and cost")
     ngram_max: int = spec(4, _range(1, 16, integer=True), "longest n-gram matched (method = ngram)")

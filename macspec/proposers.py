@@ -43,6 +43,9 @@ PROPOSERS = (
     Proposer("eagle3", "eagle3", "an EAGLE-3 head over three of the target's layers (the format "
              "SGLang and vLLM load; SmolLM2's ships with it)", model_key="eagle3_head",
              model_required=False, model_is_lm=False),
+    Proposer("dflash", "dflash", "a block drafter over the target's layers: one forward drafts a "
+             "whole block (z-lab's DFlash format; the tiny target ships one)", model_key="dflash_drafter",
+             model_required=False, model_is_lm=False),
     Proposer("ngram", "ngram", "prompt lookup over the context; no extra model", fits_any_target=True),
     Proposer("suffix", "suffix", "the longest match in the context and recent answers; no extra model "
              "(agents: edits, tool loops, extraction)", max_draft_key="suffix_max_tokens",

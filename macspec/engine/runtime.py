@@ -10,6 +10,7 @@ from ..errors import MacspecError, RequestError
 from ..models import cpu_prefill, expert_union
 from ..models.checkpoint import LoadedModel
 from ..models.loader import load_model
+from ..models.dflash import DFlashDrafter
 from ..models.eagle3 import Eagle3Head
 from ..models.mtp import MTPHead
 from ..models.view import ModelView
@@ -29,6 +30,7 @@ class Runtime:
     draft: LoadedModel | None = None
     mtp_head: MTPHead | None = None
     eagle3_head: Eagle3Head | None = None
+    dflash_drafter: DFlashDrafter | None = None
     unavailable: dict[str, str] = field(default_factory=dict)  # method -> why it cannot load
 
     @property

@@ -121,6 +121,18 @@ def resolve_path(ref: str, revision: str | None = None) -> Path:
     return source_of(ref).ensure(ref, revision)
 
 
+def beside_target(ref: str | None, target: Path, shipped: str, what: str, key: str) -> Path:
+    """A proposer's own files: the profile's `key` (a dir or a Hugging Face id), else the ones
+    shipped in `shipped/` beside the target's weights (`what` names them in the error)."""
+    if ref:
+        return resolve_path(ref)
+    path = Path(target) / shipped
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{target} ships no {what} ({shipped}/); set speculative.{key} to a "
+                             f"{what}'s directory or Hugging Face id (made for this target)")
+    return path
+
+
 def find_local_model(ref: str) -> Path | None:
     """The model's directory if it is on this machine already; never downloads or builds."""
     try:

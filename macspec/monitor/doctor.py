@@ -165,6 +165,7 @@ class Doctor:
                          "use a draft of the same model family (same tokenizer), or --method mtp / ngram")
         self._mtp_check()
         self._eagle3_check()
+        self._dflash_check()
 
     def _model_check(self, role: str, ref: str) -> Path | None:
         from ..models.loader import find_local_model, source_of
@@ -280,6 +281,27 @@ class Doctor:
         except Exception as err:  # any problem with the head is this check's finding
             self.add("EAGLE-3 head", FAIL, str(err), "set speculative.eagle3_head to a head made "
                      "for this target (SGLang/SpecForge layout), or use another method")
+
+    def _dflash_check(self) -> None:
+        """The drafter a method = dflash profile names (or the target ships), checked as above."""
+        if self.profile.speculative.method != "dflash":
+            return
+        target = self.model_dirs.get("target")
+        ref = self.profile.speculative.dflash_drafter
+        try:
+            from ..models.dflash import check_files
+            from ..models.loader import find_local_model
+
+            path = find_local_model(ref) if ref else target / "dflash" if target is not None else None
+            if path is None:
+                if ref:
+                    self.add("DFlash drafter", WARN, f"{ref} is not on this machine yet (downloaded on "
+                             "first use)", f"hf download {ref}")
+                return
+            self.add("DFlash drafter", OK, f"{path}: {check_files(path, self.model_configs.get('target'))}")
+        except Exception as err:  # any problem with the drafter is this check's finding
+            self.add("DFlash drafter", FAIL, str(err), "set speculative.dflash_drafter to a drafter made "
+                     "for this target (z-lab's layout), or use another method")
 
     def fit(self) -> None:
         from .memory import device_limits

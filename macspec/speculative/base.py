@@ -78,6 +78,7 @@ class ProposerGroup(ABC):
     # calibrate.py), since timing propose() would see only the graph being built.
     lazy_chain: bool = False
     chain_k_max: int | None = None  # the deepest its chain drafts whatever k (None: k itself)
+    block_drafts: bool = False  # one forward drafts every position: its cost does not grow with k
 
     @abstractmethod
     def join(self, key: int, committed: list[int], prompt_hidden: mx.array | None,

@@ -77,7 +77,8 @@ def _seed_chain(speculator: Speculator, method: str, k_max: int, width: int, for
     for (rows, window), seconds in forward.items():
         if window > 1:
             chain_step = one + (four - one) * (rows - 1) / 3
-            speculator.policy.costs.seed(method, rows, window, seconds + chain_step * min(window - 1, depth_cap))
+            steps = 1 if group.block_drafts else min(window - 1, depth_cap)
+            speculator.policy.costs.seed(method, rows, window, seconds + chain_step * steps)
 
 
 def _time_chain(group: ProposerGroup, k_max: int, width: int, count: int) -> float:
@@ -96,7 +97,7 @@ def _time_chain(group: ProposerGroup, k_max: int, width: int, count: int) -> flo
         t0 = time.perf_counter()
         drafts = group.propose(rows)
         mx.eval([d.tokens for d in drafts.values()], group.cache_arrays())
-        times.append((time.perf_counter() - t0) / k_max)
+        times.append((time.perf_counter() - t0) / (1 if group.block_drafts else k_max))
         group.settle({})
         committed = committed + [1]
     return min(times[1:])
@@ -108,7 +109,8 @@ def cost_key(runtime, method: str, max_batch: int, ranks: int) -> str:
     values or paths: a copy or a retrained draft costs the same), the settings and the machine."""
     from ..blas import blas_info
 
-    modules = [runtime.target.model, getattr(runtime.draft, "model", None), runtime.mtp_head, runtime.eagle3_head]
+    modules = [runtime.target.model, getattr(runtime.draft, "model", None), runtime.mtp_head, runtime.eagle3_head,
+               runtime.dflash_drafter]
     info = mx.device_info() if hasattr(mx, "device_info") else {}
     blas = blas_info()
     parts = {"schema": CACHE_SCHEMA, "models": [_shapes(m) for m in modules if m is not None],

@@ -16,7 +16,6 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from ..errors import ModelLoadError
 from ..kv.batched import BatchKV, layout_of
 from ..models.eagle3 import Eagle3Head, build_head, read_head
 from ..models.view import ModelView, tap_layers
@@ -31,16 +30,10 @@ SHIPPED_DIR = "eagle3"  # a head attached beside the target's weights (`macspec 
 
 def head_dir(runtime) -> Path:
     """speculative.eagle3_head (a dir or a Hugging Face id), else the head shipped with the target."""
-    from ..models.loader import resolve_path
+    from ..models.loader import beside_target
 
-    ref = runtime.profile.speculative.eagle3_head
-    if ref:
-        return resolve_path(ref)
-    shipped = Path(runtime.target.path) / SHIPPED_DIR
-    if not (shipped / "config.json").is_file():
-        raise ModelLoadError(f"{runtime.target.path} ships no EAGLE-3 head ({SHIPPED_DIR}/); set "
-                             "speculative.eagle3_head to a head's directory or Hugging Face id")
-    return shipped
+    return beside_target(runtime.profile.speculative.eagle3_head, runtime.target.path, SHIPPED_DIR,
+                         "EAGLE-3 head", "eagle3_head")
 
 
 def load(runtime, method: str, fallback: bool = True) -> None:

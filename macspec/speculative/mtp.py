@@ -46,7 +46,8 @@ def kv_bytes_per_token(runtime, method: str) -> int:
 class MTPRow:
     """True hidden states not yet fed to the head, and where they start."""
 
-    def __init__(self, next_position: int):
+    def __init__(self, next_position: int, cap: int = MAX_PENDING_ROWS):
+        self.cap = cap
         self.pending: list[mx.array] = []  # [n, H] blocks, oldest first
         self.num_pending = 0
         self.next_position = next_position  # absolute position of the first pending row
@@ -54,7 +55,7 @@ class MTPRow:
     def add(self, rows: mx.array) -> None:
         self.pending.append(rows)
         self.num_pending += rows.shape[0]
-        excess = self.num_pending - MAX_PENDING_ROWS
+        excess = self.num_pending - self.cap
         if excess > 0:  # keep the most recent context; RoPE is relative, so a gap is tolerable
             merged = mx.concatenate(self.pending)[excess:]
             self.pending, self.num_pending = [merged], merged.shape[0]

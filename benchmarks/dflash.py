@@ -1,0 +1,80 @@
+"""DFlash beside the other model proposers on the embedded target, all trained on its corpus:
+acceptance by position, tokens per target forward and decode tok/s at fixed k, ÷ plain decoding,
+through the engine `serve` runs (batch of one, greedy, held-out stdlib prompts). Rounds alternate
+the configurations (this machine's load drifts); --repeats rounds, mean reported.
+
+    python benchmarks/dflash.py [--methods draft,mtp,eagle3,dflash] [--ks 1,3,7] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import macspec  # noqa: E402,F401  (BLAS before mlx)
+from benchmarks.common import bench_prompts  # noqa: E402
+from macspec.config import load_profile  # noqa: E402
+from macspec.engine.launch import calibrated_engine  # noqa: E402
+from macspec.engine.runtime import Runtime  # noqa: E402
+from macspec.sampling import SamplingParams  # noqa: E402
+
+
+def one_round(engine, prompts, method: str, k: int, max_tokens: int) -> dict:
+    tokens = forwards = drafted = 0
+    seconds = 0.0
+    hits: list[float] = []
+    for prompt in prompts:
+        [done] = engine.generate([prompt], SamplingParams(), max_tokens, num_draft=k or None,
+                                 adaptive=False, method=method)
+        if done.error is not None:
+            raise done.error
+        s = done.stats
+        tokens += s["generated_tokens"] - 1
+        seconds += s["decode_s"]
+        forwards += s["spec"]["target_forwards"]
+        drafted += s["spec"]["drafted"]
+        by_position = s["spec"].get("acceptance_by_position") or []
+        hits = [a + b for a, b in zip(hits, by_position)] + by_position[len(hits):] if hits else list(by_position)
+    return {"tok_s": tokens / seconds, "tokens_per_forward": tokens / max(forwards, 1),
+            "by_position": [h / len(prompts) for h in hits]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--methods", default="draft,mtp,eagle3,dflash")
+    ap.add_argument("--ks", default="1,3,7")
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    profile = load_profile("tiny")
+    profile.override("speculative.method", "none", "bench")
+    runtime = Runtime.load(profile)
+    engine = calibrated_engine(runtime, max_batch=1)
+    prompts = bench_prompts(runtime.tokenizer, args.prompts)
+    configs = [("none", 0)] + [(m, int(k)) for m in args.methods.split(",") for k in args.ks.split(",")]
+    for method, k in configs:  # untimed: loads each proposer, first shapes
+        one_round(engine, prompts[:1], method, k, 8)
+    rows: dict = {c: [] for c in configs}
+    for repeat in range(args.repeats):
+        for config in (configs if repeat % 2 == 0 else configs[::-1]):
+            rows[config].append(one_round(engine, prompts, *config, args.max_tokens))
+            print(f"# round {repeat}: {config} {rows[config][-1]['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    plain = statistics.mean(r["tok_s"] for r in rows[("none", 0)])
+    print(f"tiny target, batch of one, greedy, {args.prompts} held-out prompts x {args.max_tokens} tokens, "
+          f"{args.repeats} alternating rounds (mean)\n")
+    print("| method | k | acceptance by position | tokens per forward | tok/s | ÷ plain |")
+    print("|---|---|---|---|---|---|")
+    for (method, k), runs in rows.items():
+        tok_s = statistics.mean(r["tok_s"] for r in runs)
+        positions = [statistics.mean(p) for p in zip(*(r["by_position"] for r in runs))] if k else []
+        print(f"| {method} | {k or '-'} | {', '.join(f'{p:.2f}' for p in positions) or '-'} | "
+              f"{statistics.mean(r['tokens_per_forward'] for r in runs):.2f} | {tok_s:.1f} | {tok_s / plain:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Train a DFlash block drafter for an mlx-lm target (z-lab's recipe, at this machine's scale).
+
+What it trains: at random anchors a of teacher-forced text, the block [token a, mask, ..., mask]
+(positions a .. a + B - 1), attending to the fused context of positions < a and to the whole
+block, predicts the target's next-token distribution at positions a .. a + B - 2 (block outputs
+1 .. B - 1); the loss is the forward KL, position j weighted decay^(j-1) (later drafts matter
+less: they count only when every earlier one was accepted). Many anchors of one sequence train
+together: each block is its own attention row over the sequence's shared context keys.
+The target's embeddings and output head stay frozen (the drafter has none of its own).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .. import corpus
+from ..models.dflash import DFlashDrafter, drafter_config, save_drafter
+from ..models.view import ModelView, tap_layers
+from . import train
+from .eagle3 import _windows, target_states
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DFlashRecipe:
+    target: str = "embedded:tiny-target"
+    layers: int = 2  # drafter layers (and target layers it reads)
+    block_size: int = 8
+    anchors: int = 8  # blocks trained per sequence per step
+    decay: float = 0.8
+    train_tokens: int = 160_000
+    heldout_tokens: int = 16_000
+    schedule: train.TrainSchedule = field(default_factory=lambda: train.TrainSchedule(
+        steps=600, batch_size=16, seq_len=128, lr=2e-3, warmup=30, log_every=50, compile=False))
+    seed: int = 0
+
+
+RECIPES = {
+    "full": DFlashRecipe(),
+    "smoke": DFlashRecipe(train_tokens=4_000, heldout_tokens=1_000, schedule=train.TrainSchedule(
+        steps=2, batch_size=2, seq_len=32, warmup=1, log_every=1, compile=False)),
+}
+
+
+def init_drafter(view: ModelView, config, seed: int) -> DFlashDrafter:
+    """Random layers; fc starts as "take the highest tapped layer" (the context a drafter most
+    needs first: what the target is about to say)."""
+    mx.random.seed(seed)
+    drafter = DFlashDrafter(config)
+    width = config.hidden_size
+    fc = mx.zeros((width, width * len(config.target_layer_ids)))
+    drafter.fc.weight = fc.at[:, -width:].add(mx.eye(width))
+    return drafter
+
+
+def block_logits(drafter: DFlashDrafter, view: ModelView, tokens: mx.array, fused: mx.array,
+                 anchors: mx.array) -> mx.array:
+    """tokens [B, L], fused [B, L, K·H], anchors [B, A] -> logits [B·A, size - 1, V] of every
+    anchor's block, each block attending to the context before its anchor and to itself."""
+    size, mask_id = drafter.config.block_size, drafter.config.mask_token_id
+    batch, length = tokens.shape
+    count = anchors.shape[1]
+    rows = anchors.reshape(-1)  # [R]: one attention row per block
+    heads = mx.take_along_axis(tokens, anchors, axis=1).reshape(-1, 1)
+    block = mx.concatenate([heads, mx.full((rows.shape[0], size - 1), mask_id, dtype=heads.dtype)], axis=1)
+    ctx = drafter.hidden_norm(drafter.fc(fused))
+    visible = mx.concatenate([mx.arange(length)[None] < rows[:, None], mx.ones((rows.shape[0], size), mx.bool_)],
+                             axis=1)[:, None, None, :]
+    h = view.embed(block).astype(ctx.dtype)
+    for layer in drafter.layers:
+        attn = layer.self_attn
+        ctx_keys, ctx_values = attn.keys_values(ctx, mx.zeros((batch,), mx.int32))
+        x = layer.input_layernorm(h)
+        queries = attn.q_norm(attn.q_proj(x).reshape(*x.shape[:2], attn.heads, -1)).transpose(0, 2, 1, 3)
+        queries = attn.rope(queries, offset=rows)
+        keys, values = attn.keys_values(x, rows)
+        keys = mx.concatenate([mx.repeat(ctx_keys, count, axis=0), keys], axis=2)
+        values = mx.concatenate([mx.repeat(ctx_values, count, axis=0), values], axis=2)
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=visible)
+        h = h + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(*x.shape[:2], -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return view.logits(drafter.norm(h)[:, 1:])
+
+
+def teacher_at(teacher: mx.array, anchors: mx.array, size: int) -> mx.array:
+    """The target's logits at positions anchor .. anchor + size - 2: [B·A, size - 1, V]."""
+    positions = (anchors[..., None] + mx.arange(size - 1)).reshape(anchors.shape[0], -1)
+    picked = mx.take_along_axis(teacher, positions[..., None], axis=1)
+    return picked.reshape(-1, size - 1, teacher.shape[-1])
+
+
+def weighted_loss(drafter, view, tokens, fused, teacher, anchors, decay: float) -> mx.array:
+    """Forward KL per block position, position j weighted decay^(j-1)."""
+    size = drafter.config.block_size
+    logits = block_logits(drafter, view, tokens, fused, anchors).astype(mx.float32)
+    target = teacher_at(teacher, anchors, size).astype(mx.float32)
+    p_log = target - mx.logsumexp(target, axis=-1, keepdims=True)
+    q_log = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    kl = (mx.exp(p_log) * (p_log - q_log)).sum(-1)  # [R, size - 1]
+    weights = decay ** mx.arange(size - 1, dtype=mx.float32)
+    return (kl * weights).sum() / (weights.sum() * kl.shape[0])
+
+
+def batches(records, states, recipe: DFlashRecipe, view: ModelView, seed: int, endless: bool = True):
+    """(tokens [B, L], fused [B, L, K·H], teacher logits [B, L, V], anchors [B, A])."""
+    rng = np.random.default_rng(seed)
+    sched, size = recipe.schedule, recipe.block_size
+    order = iter(range(len(records)))
+    while True:
+        picks = list(rng.integers(0, len(records), sched.batch_size)) if endless else \
+            [i for _, i in zip(range(sched.batch_size), order)]
+        if not picks:
+            return
+        length = min(len(records[i]["answer_ids"]) for i in picks)
+        tokens = mx.array([records[i]["answer_ids"][:length] for i in picks])
+        final = mx.array(np.stack([states[i][0][:length] for i in picks]).astype(np.float32))
+        fused = mx.array(np.stack([states[i][1][:length] for i in picks]).astype(np.float32))
+        anchors = mx.array(rng.integers(1, length - size + 2, (len(picks), recipe.anchors)), dtype=mx.int32)
+        teacher = view.logits(final)
+        mx.eval(teacher)
+        yield tokens, fused, teacher, anchors
+
+
+def agreement(drafter, view, held, size: int) -> list[float]:
+    """Top-1 agreement with the target per block position on held-out text: about the greedy
+    acceptance at draft j given every earlier draft accepted."""
+    hits, counts = np.zeros(size - 1), np.zeros(size - 1)
+    for tokens, fused, teacher, anchors in held:
+        logits = block_logits(drafter, view, tokens, fused, anchors)
+        same = logits.argmax(-1) == teacher_at(teacher, anchors, size).argmax(-1)
+        hits += np.array(same.sum(0))
+        counts += same.shape[0]
+    return [round(float(h / max(c, 1)), 4) for h, c in zip(hits, counts)]
+
+
+def forge_drafter(out: Path, recipe: DFlashRecipe) -> dict:
+    """A drafter for `recipe.target`, in the published layout, with a report (drafter.json)."""
+    from ..models.loader import load_model
+
+    t0 = time.perf_counter()
+    loaded = load_model(recipe.target, dtype="float32")
+    config = drafter_config(loaded.config, recipe.layers, recipe.block_size)
+    tap_layers(loaded.model, config.target_layer_ids)
+    view = ModelView(loaded.model)
+    sched = recipe.schedule
+    train_recs = _windows(loaded.tokenizer, corpus.read_texts(heldout=False), recipe.train_tokens, sched.seq_len)
+    held_recs = _windows(loaded.tokenizer, corpus.read_texts(heldout=True), recipe.heldout_tokens, sched.seq_len)
+    train_states = target_states(view, train_recs, None, batch=32)
+    held_states = target_states(view, held_recs, None, batch=32)
+    drafter = init_drafter(view, config, recipe.seed)
+
+    def loss_fn(tokens, fused, teacher, anchors):
+        return weighted_loss(drafter, view, tokens, fused, teacher, anchors, recipe.decay)
+
+    loss = train._run(drafter, loss_fn, lambda batch: batch, sched, recipe.seed, None, "dflash",
+                      batches(train_recs, train_states, recipe, view, recipe.seed))
+    held = batches(held_recs, held_states, recipe, view, 0, endless=False)
+    report = {"target": recipe.target, "recipe": {k: v for k, v in asdict(recipe).items() if k != "schedule"},
+              "schedule": asdict(sched), "train_tokens": sum(len(r["answer_ids"]) for r in train_recs),
+              "final_loss": round(loss, 4),
+              "heldout_top1_agreement_by_position": agreement(drafter, view, held, recipe.block_size),
+              "seconds": round(time.perf_counter() - t0, 1)}
+    save_drafter(drafter, out)
+    (out / "drafter.json").write_text(json.dumps(report, indent=2) + "\n")
+    logger.info("DFlash drafter for %s: %s", recipe.target, report)
+    return report
