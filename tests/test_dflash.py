@@ -78,12 +78,12 @@ def test_a_drafter_in_the_published_layout_loads_from_the_profile_and_stays_loss
 
 @pytest.mark.slow
 def test_the_shipped_drafter_drafts_accepted_tokens(prompts):
-    runtime = tiny_runtime("dflash")
-    engine = calibrated_engine(runtime, max_batch=4)
-    out = engine.generate(prompts[:4], SamplingParams(), 40, num_draft=7, adaptive=False, method="dflash")
+    """Trained on the target's corpus, its first draft is mostly right (0.7-0.8 held out)."""
+    engine = calibrated_engine(tiny_runtime("dflash"), max_batch=4)
+    out = engine.generate(prompts[:4], SamplingParams(), 40, num_draft=1, adaptive=False, method="dflash")
     accepted = sum(c.stats["spec"]["accepted"] for c in out)
     drafted = sum(c.stats["spec"]["drafted"] for c in out)
-    assert accepted / drafted > 0.2, (accepted, drafted)
+    assert accepted / drafted > 0.5, (accepted, drafted)
 
 
 @pytest.mark.slow
@@ -99,3 +99,30 @@ def test_the_forge_smoke_recipe_writes_a_drafter_the_profile_loads(tmp_path, pro
     [plain] = engine.generate(prompts[:1], SamplingParams(), 16, method="none")
     [spec] = engine.generate(prompts[:1], SamplingParams(), 16, num_draft=3, adaptive=False)
     assert spec.tokens == plain.tokens and spec.stats["spec"]["drafted"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("profile_name, target", [
+    ("kimi-tp2-mini", None), ("kimi-tp2-mini", "built:moonlight-mini"), ("glm5-mtp-mini", None)],
+    ids=["kimi_k25", "deepseek_v3", "glm_moe_dsa"])
+def test_seed_architectures_take_a_drafter_losslessly(tmp_path, profile_name, target):
+    """The seed replicas (MLA + MoE, a kimi_k25 wrapper, GLM-5's DSA indexer) with a drafter
+    made for them (random weights): batched greedy output equals plain at k = 1 and 3."""
+    base = load_profile(profile_name)
+    if target:
+        base.model.path = target
+    base.speculative.method = "none"
+    plain_runtime = Runtime.load(base)
+    base.speculative.method = "dflash"
+    base.speculative.dflash_drafter = str(random_drafter(tmp_path / "d", plain_runtime.target.config,
+                                                         block_size=4))
+    runtime = Runtime.load(base)
+    tok = runtime.tokenizer
+    prompts = [tok.encode(text) for text in ("The history of", "def main():\n", "Once upon a time")]
+    plain = [c.tokens for c in calibrated_engine(plain_runtime, 4).generate(prompts, SamplingParams(), 16,
+                                                                             method="none")]
+    engine = calibrated_engine(runtime, 4)
+    for k in (1, 3):
+        done = engine.generate(prompts, SamplingParams(), 16, num_draft=k, adaptive=False)
+        assert [c.tokens for c in done] == plain
+        assert sum(c.stats["spec"]["drafted"] for c in done) > 0

@@ -71,7 +71,7 @@ def test_tp2_greedy_equals_single_process(tp_server, single_server, prompts):
     mismatches = [(m, k) for (prompt, m, k), (text, _, _) in zip(cases, got) if text != expected[tuple(prompt)]]
     assert not mismatches, mismatches
     drafted = {m: stats["spec"]["drafted"] for (_, m, _), (_, _, stats) in zip(cases, got)}
-    assert all(drafted[m] > 0 for m in ("draft", "mtp", "eagle3", "ngram")), drafted  # speculation ran
+    assert all(drafted[m] > 0 for m in ("draft", "mtp", "eagle3", "dflash", "ngram")), drafted  # speculation ran
     tp = tp_server.status()["tensor_parallel"]
     assert tp["ranks"] == 2 and tp["plans"] > 0
 

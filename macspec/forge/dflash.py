@@ -32,14 +32,17 @@ logger = logging.getLogger(__name__)
 @dataclass
 class DFlashRecipe:
     target: str = "embedded:tiny-target"
-    layers: int = 2  # drafter layers (and target layers it reads)
+    layers: int = 2  # drafter layers
+    # The target layers it reads (None: the reference's spread, one per drafter layer). The tiny
+    # target's EAGLE-3 head reads (1, 3, 4): one tap serves both on one server.
+    target_layers: tuple[int, ...] | None = (1, 3, 4)
     block_size: int = 8
     anchors: int = 8  # blocks trained per sequence per step
     decay: float = 0.8
     train_tokens: int = 160_000
     heldout_tokens: int = 16_000
     schedule: train.TrainSchedule = field(default_factory=lambda: train.TrainSchedule(
-        steps=600, batch_size=16, seq_len=128, lr=2e-3, warmup=30, log_every=50, compile=False))
+        steps=800, batch_size=16, seq_len=128, lr=2e-3, warmup=30, log_every=50, compile=False))
     seed: int = 0
 
 
@@ -147,7 +150,7 @@ def forge_drafter(out: Path, recipe: DFlashRecipe) -> dict:
 
     t0 = time.perf_counter()
     loaded = load_model(recipe.target, dtype="float32")
-    config = drafter_config(loaded.config, recipe.layers, recipe.block_size)
+    config = drafter_config(loaded.config, recipe.layers, recipe.block_size, target_layers=recipe.target_layers)
     tap_layers(loaded.model, config.target_layer_ids)
     view = ModelView(loaded.model)
     sched = recipe.schedule

@@ -174,12 +174,13 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
 
-def drafter_config(target_config: dict, layers: int = 2, block_size: int = 8,
-                   mask_token_id: int | None = None) -> DFlashConfig:
-    """A drafter shaped like the target's layers (the reference's choice), reading `layers` of
-    its layers picked as the reference picks them; the mask token defaults to the last id."""
+def drafter_config(target_config: dict, layers: int = 2, block_size: int = 8, mask_token_id: int | None = None,
+                   target_layers: tuple[int, ...] | None = None) -> DFlashConfig:
+    """A drafter shaped like the target's layers (the reference's choice), reading
+    `target_layers` of them (default: one per drafter layer, picked as the reference picks
+    them); the mask token defaults to the last id."""
     text = target_config.get("text_config") or target_config
-    target_layers, heads = text["num_hidden_layers"], text["num_attention_heads"]
+    depth, heads = text["num_hidden_layers"], text["num_attention_heads"]
     return DFlashConfig(
         hidden_size=text["hidden_size"], intermediate_size=text.get("intermediate_size", 4 * text["hidden_size"]),
         num_hidden_layers=layers, num_attention_heads=heads,
@@ -187,8 +188,8 @@ def drafter_config(target_config: dict, layers: int = 2, block_size: int = 8,
         head_dim=text.get("head_dim") or text["hidden_size"] // heads,
         rms_norm_eps=text.get("rms_norm_eps", 1e-6), rope_theta=text.get("rope_theta", 10000.0),
         rope_scaling=None, max_position_embeddings=text.get("max_position_embeddings", 4096),
-        vocab_size=text["vocab_size"], block_size=block_size, num_target_layers=target_layers,
-        target_layer_ids=default_target_layers(target_layers, layers),
+        vocab_size=text["vocab_size"], block_size=block_size, num_target_layers=depth,
+        target_layer_ids=tuple(target_layers) if target_layers else default_target_layers(depth, layers),
         mask_token_id=text["vocab_size"] - 1 if mask_token_id is None else mask_token_id)
 
 
