@@ -81,11 +81,13 @@ class DFlashConfig:
 
 
 def default_target_layers(num_target_layers: int, num_layers: int) -> tuple[int, ...]:
-    """The reference's choice when a config names none: evenly from layer 1 to L - 3."""
+    """The reference's choice when a config names none: evenly from layer 1 to L - 3 (clamped
+    into the stack for targets of under 4 layers, which the reference never meets)."""
     if num_layers == 1:
         return (num_target_layers // 2,)
     span = num_target_layers - 4
-    return tuple(round(1 + i * span / (num_layers - 1)) for i in range(num_layers))
+    return tuple(min(max(round(1 + i * span / (num_layers - 1)), 0), num_target_layers - 1)
+                 for i in range(num_layers))
 
 
 class Attention(nn.Module):
