@@ -15,6 +15,7 @@ from macspec.grammar import GrammarCompiler
 from macspec.sampling import RowContext, SamplingParams, processed_logprobs
 from macspec.models.checkpoint import load_mtp_head
 from macspec.models.loader import load_model
+from macspec.models.dflash import random_drafter
 from macspec.models.eagle3 import save_head
 from macspec.proposers import PROPOSER_NAMES, SINGLE_NAMES
 
@@ -47,6 +48,7 @@ def tiny_vocab_dirs(tmp_path_factory):
     # Shipped beside the target, as SmolLM2's: over 6 of the 8 tokens (q = 0 for the other two).
     save_head(random_eagle3_head(target, config, seed=4, draft_vocab=VOCAB - 2, scale=SCALE),
               dirs["target"] / "eagle3")
+    random_drafter(dirs["target"] / "dflash", config, seed=5, layers=1, block_size=4)  # DFlash's, likewise
     for d in dirs.values():
         write_word_tokenizer(d, [chr(ord("a") + i) for i in range(VOCAB)], byte_level=True)
     return dirs
@@ -60,7 +62,7 @@ def make_runtime(dirs, method: str) -> Runtime:
     # Both proposer models, whichever the method uses (a hybrid pairs one with suffix decoding).
     runtime = Runtime(profile, target, method, draft=load_model(str(dirs["draft"])),
                       mtp_head=load_mtp_head(target))
-    if "eagle3" in method:
+    if "eagle3" in method or method == "dflash":  # the proposers whose files ship beside the target
         runtime.ensure_method(method)
     return runtime
 
