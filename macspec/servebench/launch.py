@@ -103,6 +103,8 @@ def float32_copy(src: Path, dst: Path) -> Path:
             mx.save_safetensors(str(dst / f.name), {k: v.astype(mx.float32) for k, v in weights.items()})
         elif f.is_file():
             shutil.copy(f, dst / f.name)
+        elif f.is_dir():  # a head or drafter shipped beside the weights (eagle3/, dflash/)
+            shutil.copytree(f, dst / f.name)
     return dst
 
 
@@ -123,4 +125,6 @@ def random_weights_copy(src: Path, dst: Path, seed: int) -> Path:
                 for k, v in weights.items()})
         elif f.is_file():
             shutil.copy(f, dst / f.name)
+        elif f.is_dir():  # a head or drafter shipped beside the weights (eagle3/, dflash/)
+            shutil.copytree(f, dst / f.name)
     return dst
