@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
 import mlx.core as mx
 import numpy as np
 
-from .switch import Switch
+from .switch import Switch, route_model_modules
 
 logger = logging.getLogger(__name__)
 
@@ -173,16 +172,5 @@ def _bias(mask, B: int, Hq: int, L: int, S: int, array: np.ndarray | None) -> np
 def install() -> int:
     """Route attention and SiLU in every loaded `mlx_lm.models.*` module through here (where the
     switch is on); idempotent. -> the number of modules patched now."""
-    patched = 0
-    for name in [n for n in list(sys.modules) if n.startswith("mlx_lm.models.")]:
-        module = sys.modules.get(name)
-        if module is None or getattr(module, PATCHED, False) or name in ("mlx_lm.models.base",
-                                                                         "mlx_lm.models.activations"):
-            continue
-        if callable(getattr(module, "scaled_dot_product_attention", None)):
-            module.scaled_dot_product_attention = routed_attention(module.scaled_dot_product_attention)
-        if callable(getattr(module, "swiglu", None)):
-            module.swiglu = routed_swiglu(module.swiglu)
-        setattr(module, PATCHED, True)
-        patched += 1
-    return patched
+    return route_model_modules(PATCHED, {"scaled_dot_product_attention": routed_attention, "swiglu": routed_swiglu},
+                               skip=("mlx_lm.models.base", "mlx_lm.models.activations"))

@@ -28,7 +28,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .switch import Switch
+from .switch import Switch, on_cuda
 
 # Tokens per step from which the union runs: on tiny-moe (trained-like routing, 2026-11-26) a
 # 2-token window took 0.99x mlx-lm's time, 3 tokens 0.89x, 4-8 0.66-0.76x, batches 0.3-0.7x.
@@ -73,10 +73,9 @@ def union_glu(glu, x: mx.array, indices: mx.array) -> mx.array:
 def _engages(glu, indices: mx.array) -> bool:
     tokens = indices.size // indices.shape[-1]
     # MLX's CPU quantized matmul is fast only as a matvec: stacked rows cost 1.4-2.2x there.
-    on_cpu = mx.default_device() == mx.cpu
-    quantized_on_cpu = hasattr(glu.up_proj, "scales") and on_cpu
-    on_cuda = not on_cpu and not mx.metal.is_available()  # the host round trip costs 2x there
-    return _switch.on and tokens >= MIN_TOKENS and not quantized_on_cpu and not on_cuda
+    quantized_on_cpu = hasattr(glu.up_proj, "scales") and mx.default_device() == mx.cpu
+    # On CUDA the layout's host round trip costs 2x what it saves (the module's docstring).
+    return _switch.on and tokens >= MIN_TOKENS and not quantized_on_cpu and not on_cuda()
 
 
 def install() -> bool:

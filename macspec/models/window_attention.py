@@ -13,25 +13,21 @@ kernels. Metal's kernels are compiled ahead for every shape: they keep MLX's pat
 
 from __future__ import annotations
 
-import sys
-
 import mlx.core as mx
 
-from .switch import Switch
+from .switch import Switch, on_cuda, route_model_modules
 
 MAX_QUERIES = 32  # a verify window is the draft length + 1; longer blocks are prefill chunks
 MAX_SCORES = 1 << 27  # B·H·queries·keys float32 scores (512 MB) past which MLX's kernel runs
 PATCHED = "_macspec_window_attention"
 _switch = Switch()
 mlx_only = _switch.off  # MLX's fused kernel inside: the reference
-_force = Switch()  # tests: engage on any device (the CPU has no CUDA to show the path on)
-_force.on = False
+_force = Switch(on=False)  # tests: engage on any device (the CPU has no CUDA to show the path on)
 
 
 def _engages(queries: mx.array, keys: mx.array, cache, mask, sinks) -> bool:
     batch, heads, length, _ = queries.shape
-    on_device = _force.on or (mx.default_device() == mx.gpu and not mx.metal.is_available())
-    return (_switch.on and on_device and 2 <= length <= MAX_QUERIES and sinks is None
+    return (_switch.on and (_force.on or on_cuda()) and 2 <= length <= MAX_QUERIES and sinks is None
             and not hasattr(cache, "bits") and batch * heads * length * keys.shape[2] <= MAX_SCORES
             and (mask is None or isinstance(mask, mx.array) or mask == "causal"))
 
@@ -80,13 +76,4 @@ def routed(original):
 def install() -> int:
     """Route attention in every loaded `mlx_lm.models.*` module through here; idempotent.
     -> the number of modules patched now."""
-    patched = 0
-    for name in [n for n in list(sys.modules) if n.startswith("mlx_lm.models.")]:
-        module = sys.modules.get(name)
-        if module is None or getattr(module, PATCHED, False) or name == "mlx_lm.models.base":
-            continue
-        if callable(getattr(module, "scaled_dot_product_attention", None)):
-            module.scaled_dot_product_attention = routed(module.scaled_dot_product_attention)
-        setattr(module, PATCHED, True)
-        patched += 1
-    return patched
+    return route_model_modules(PATCHED, {"scaled_dot_product_attention": routed}, skip=("mlx_lm.models.base",))
