@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import corpus
-from ..models.dflash import DFlashDrafter, drafter_config, save_drafter
+from ..models.dflash import ContextKV, DFlashDrafter, drafter_config, save_drafter
 from ..models.view import ModelView, tap_layers
 from . import train
 from .eagle3 import _windows, target_states
@@ -67,30 +67,21 @@ def init_drafter(view: ModelView, config, seed: int) -> DFlashDrafter:
 def block_logits(drafter: DFlashDrafter, view: ModelView, tokens: mx.array, fused: mx.array,
                  anchors: mx.array) -> mx.array:
     """tokens [B, L], fused [B, L, K·H], anchors [B, A] -> logits [B·A, size - 1, V] of every
-    anchor's block, each block attending to the context before its anchor and to itself."""
+    anchor's block, each block attending to the context before its anchor and to itself: the
+    drafter's serving forward, its cache a ContextKV per layer."""
     size, mask_id = drafter.config.block_size, drafter.config.mask_token_id
     batch, length = tokens.shape
-    count = anchors.shape[1]
     rows = anchors.reshape(-1)  # [R]: one attention row per block
     heads = mx.take_along_axis(tokens, anchors, axis=1).reshape(-1, 1)
     block = mx.concatenate([heads, mx.full((rows.shape[0], size - 1), mask_id, dtype=heads.dtype)], axis=1)
     ctx = drafter.hidden_norm(drafter.fc(fused))
+    caches = [ContextKV(*(mx.repeat(a, anchors.shape[1], axis=0)
+                          for a in layer.self_attn.keys_values(ctx, mx.zeros((batch,), mx.int32))))
+              for layer in drafter.layers]
     visible = mx.concatenate([mx.arange(length)[None] < rows[:, None], mx.ones((rows.shape[0], size), mx.bool_)],
                              axis=1)[:, None, None, :]
-    h = view.embed(block).astype(ctx.dtype)
-    for layer in drafter.layers:
-        attn = layer.self_attn
-        ctx_keys, ctx_values = attn.keys_values(ctx, mx.zeros((batch,), mx.int32))
-        x = layer.input_layernorm(h)
-        queries = attn.q_norm(attn.q_proj(x).reshape(*x.shape[:2], attn.heads, -1)).transpose(0, 2, 1, 3)
-        queries = attn.rope(queries, offset=rows)
-        keys, values = attn.keys_values(x, rows)
-        keys = mx.concatenate([mx.repeat(ctx_keys, count, axis=0), keys], axis=2)
-        values = mx.concatenate([mx.repeat(ctx_values, count, axis=0), values], axis=2)
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=visible)
-        h = h + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(*x.shape[:2], -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return view.logits(drafter.norm(h)[:, 1:])
+    states = drafter(view.embed(block).astype(ctx.dtype), rows, caches, visible)
+    return view.logits(states[:, 1:])
 
 
 def teacher_at(teacher: mx.array, anchors: mx.array, size: int) -> mx.array:

@@ -115,7 +115,8 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, positions: mx.array, cache, mask: mx.array) -> mx.array:
         """The block attends to the cached context and to itself (no causal mask); `cache` is
-        a BatchLayerCache whose window the block is written into (and never kept)."""
+        a BatchLayerCache whose window the block is written into (and never kept), or a
+        ContextKV."""
         batch, length, _ = x.shape
         queries = self.q_norm(self.q_proj(x).reshape(batch, length, self.heads, -1)).transpose(0, 2, 1, 3)
         queries = self.rope(queries, offset=positions)
@@ -146,6 +147,17 @@ class Layer(nn.Module):
     def __call__(self, x, positions, cache, mask):
         h = x + self.self_attn(self.input_layernorm(x), positions, cache, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class ContextKV:
+    """Keys and values ahead of the block, in place of the serving cache: in training each
+    block reads its sequence's whole context (the mask hides what lies past its anchor)."""
+
+    def __init__(self, keys: mx.array, values: mx.array):
+        self.keys, self.values = keys, values
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return mx.concatenate([self.keys, keys], axis=2), mx.concatenate([self.values, values], axis=2)
 
 
 class DFlashDrafter(nn.Module):
@@ -226,17 +238,24 @@ def random_drafter(out: Path, target_config: dict, seed: int = 0, **shape) -> Pa
     return save_drafter(DFlashDrafter(drafter_config(target_config, **shape)), out)
 
 
-def read_drafter(path: Path) -> tuple[DFlashConfig, dict[str, mx.array]]:
+def read_config(path: Path) -> tuple[DFlashConfig, list[Path]]:
+    """A drafter directory's config and its weight files (refused when either is missing)."""
     config_file = Path(path) / CONFIG_FILE
     if not config_file.is_file():
         raise ModelLoadError(f"{path}: no {CONFIG_FILE} (a DFlash drafter directory has config.json "
                              "and model*.safetensors)")
     config = DFlashConfig.from_dict(json.loads(config_file.read_text()), str(path))
-    weights: dict[str, mx.array] = {}
-    for file in sorted(Path(path).glob("*.safetensors")):
-        weights.update(mx.load(str(file)))
-    if not weights:
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
         raise ModelLoadError(f"{path}: no safetensors weights")
+    return config, files
+
+
+def read_drafter(path: Path) -> tuple[DFlashConfig, dict[str, mx.array]]:
+    config, files = read_config(path)
+    weights: dict[str, mx.array] = {}
+    for file in files:
+        weights.update(mx.load(str(file)))
     return config, weights
 
 
@@ -256,12 +275,7 @@ def fit_problems(config: DFlashConfig, target_hidden: int, target_layers: int, t
 
 def check_files(path: Path, target_config: dict | None) -> str:
     """doctor: the drafter's config read and checked against the target's (nothing loaded)."""
-    config_file = Path(path) / CONFIG_FILE
-    if not config_file.is_file():
-        raise ModelLoadError(f"{path}: no {CONFIG_FILE}")
-    config = DFlashConfig.from_dict(json.loads(config_file.read_text()), str(path))
-    if not any(Path(path).glob("*.safetensors")):
-        raise ModelLoadError(f"{path}: no safetensors weights")
+    config, _ = read_config(path)
     if target_config is not None:
         text = target_config.get("text_config") or target_config
         problems = fit_problems(config, text["hidden_size"], text["num_hidden_layers"], text["vocab_size"])

@@ -76,6 +76,14 @@ class Taps:
         return mx.concatenate([hidden, *(p.astype(hidden.dtype) for p in parts)], axis=-1)
 
 
+def tapped_columns(states: mx.array | None, final_width: int, width: int) -> mx.array | None:
+    """The tapped layers' `width` columns of `states` (after the final state); None for states
+    kept before the layers were tapped (a prefix entry made by another method)."""
+    if states is None or states.shape[-1] < final_width + width:
+        return None
+    return states[..., final_width:final_width + width]
+
+
 def join_states(blocks: list[mx.array]) -> mx.array:
     """Blocks of one row's states, oldest first, joined. Taps installed mid-flight (a request
     loaded an EAGLE-3 head) widen later blocks; the row keeps the width all blocks share."""

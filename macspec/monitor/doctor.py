@@ -256,52 +256,45 @@ class Doctor:
         """The head a method = eagle3 profile names (or the target ships): there, in the published
         layout, and shaped for this target (read from the files' headers; nothing loaded)."""
         from .. import proposers
+        from ..models.eagle3 import check_files
 
         proposer = proposers.BY_NAME.get(self.profile.speculative.method)
         if proposer is None or "eagle3" not in (proposer.parts or (proposer.name,)):
             return
+        self._beside_target_check("EAGLE-3 head", self.profile.speculative.eagle3_head, "eagle3", check_files,
+                                  "set speculative.eagle3_head to a head made for this target "
+                                  "(SGLang/SpecForge layout), or use another method")
+
+    def _dflash_check(self) -> None:
+        """The drafter a method = dflash profile names (or the target ships), checked likewise."""
+        from ..models.dflash import check_files
+
+        if self.profile.speculative.method != "dflash":
+            return
+        self._beside_target_check("DFlash drafter", self.profile.speculative.dflash_drafter, "dflash", check_files,
+                                  "set speculative.dflash_drafter to a drafter made for this target "
+                                  "(z-lab's layout), or use another method")
+
+    def _beside_target_check(self, label: str, ref: str | None, shipped: str, check_files, fix: str) -> None:
+        """A proposer's own files, `ref` or `shipped/` beside the target (as loader.beside_target
+        finds them): there, and fitting the target, by `check_files(path, target_config)`."""
         target = self.model_dirs.get("target")
-        ref = self.profile.speculative.eagle3_head
         try:
-            from ..models.eagle3 import check_files
             from ..models.loader import find_local_model
 
             if ref:
                 path = find_local_model(ref)
                 if path is None:
-                    self.add("EAGLE-3 head", WARN, f"{ref} is not on this machine yet (downloaded "
-                             "on first use)", f"hf download {ref}")
+                    self.add(label, WARN, f"{ref} is not on this machine yet (downloaded on first use)",
+                             f"hf download {ref}")
                     return
             elif target is not None:
-                path = target / "eagle3"
+                path = target / shipped
             else:
                 return
-            detail = check_files(path, self.model_configs.get("target"))
-            self.add("EAGLE-3 head", OK, f"{path}: {detail}")
-        except Exception as err:  # any problem with the head is this check's finding
-            self.add("EAGLE-3 head", FAIL, str(err), "set speculative.eagle3_head to a head made "
-                     "for this target (SGLang/SpecForge layout), or use another method")
-
-    def _dflash_check(self) -> None:
-        """The drafter a method = dflash profile names (or the target ships), checked as above."""
-        if self.profile.speculative.method != "dflash":
-            return
-        target = self.model_dirs.get("target")
-        ref = self.profile.speculative.dflash_drafter
-        try:
-            from ..models.dflash import check_files
-            from ..models.loader import find_local_model
-
-            path = find_local_model(ref) if ref else target / "dflash" if target is not None else None
-            if path is None:
-                if ref:
-                    self.add("DFlash drafter", WARN, f"{ref} is not on this machine yet (downloaded on "
-                             "first use)", f"hf download {ref}")
-                return
-            self.add("DFlash drafter", OK, f"{path}: {check_files(path, self.model_configs.get('target'))}")
-        except Exception as err:  # any problem with the drafter is this check's finding
-            self.add("DFlash drafter", FAIL, str(err), "set speculative.dflash_drafter to a drafter made "
-                     "for this target (z-lab's layout), or use another method")
+            self.add(label, OK, f"{path}: {check_files(path, self.model_configs.get('target'))}")
+        except Exception as err:  # any problem with the files is this check's finding
+            self.add(label, FAIL, str(err), fix)
 
     def fit(self) -> None:
         from .memory import device_limits

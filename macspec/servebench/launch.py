@@ -96,16 +96,7 @@ def float32_copy(src: Path, dst: Path) -> Path:
     if all(info["dtype"] == "F32" for f in weights_files
            for name, info in safetensors_header(f).items() if name != "__metadata__"):
         return src  # float32 already (pulled:smollm2, built:tiny-wide): nothing to convert
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.suffix == ".safetensors":
-            weights = mx.load(str(f))
-            mx.save_safetensors(str(dst / f.name), {k: v.astype(mx.float32) for k, v in weights.items()})
-        elif f.is_file():
-            shutil.copy(f, dst / f.name)
-        elif f.is_dir():  # a head or drafter shipped beside the weights (eagle3/, dflash/)
-            shutil.copytree(f, dst / f.name)
-    return dst
+    return _copy_dir(src, dst, lambda weights: {k: v.astype(mx.float32) for k, v in weights.items()})
 
 
 def random_weights_copy(src: Path, dst: Path, seed: int) -> Path:
@@ -115,16 +106,22 @@ def random_weights_copy(src: Path, dst: Path, seed: int) -> Path:
 
     if dst.exists():
         return dst
-    dst.mkdir(parents=True)
     mx.random.seed(seed)
+    return _copy_dir(src, dst, lambda weights: {
+        k: (mx.random.normal(v.shape) * v.std()).astype(v.dtype) if v.ndim >= 2 else v for k, v in weights.items()})
+
+
+def _copy_dir(src: Path, dst: Path, convert) -> Path:
+    """`src` into a new `dst`, each safetensors file's weights through `convert`; the rest (heads
+    and drafters shipped beside the weights, eagle3/ and dflash/, included) as they are."""
+    import mlx.core as mx
+
+    dst.mkdir(parents=True)
     for f in src.iterdir():
         if f.suffix == ".safetensors":
-            weights = mx.load(str(f))
-            mx.save_safetensors(str(dst / f.name), {
-                k: (mx.random.normal(v.shape) * v.std()).astype(v.dtype) if v.ndim >= 2 else v
-                for k, v in weights.items()})
+            mx.save_safetensors(str(dst / f.name), convert(mx.load(str(f))))
         elif f.is_file():
             shutil.copy(f, dst / f.name)
-        elif f.is_dir():  # a head or drafter shipped beside the weights (eagle3/, dflash/)
+        elif f.is_dir():
             shutil.copytree(f, dst / f.name)
     return dst

@@ -20,7 +20,7 @@ from mlx_lm.models.cache import KVCache
 from ..errors import ModelLoadError
 from ..kv.batched import BatchKV
 from ..models.dflash import DFlashDrafter, build_drafter, read_drafter
-from ..models.view import ModelView, tap_layers
+from ..models.view import ModelView, tap_layers, tapped_columns
 from ..monitor.memory import compute_dtype_bytes
 from ..progress import phase
 from .base import ChainGroup, ChainRow, Offer
@@ -95,11 +95,7 @@ class DFlashGroup(MTPGroup):
         return self.drafter.fc.weight.dtype
 
     def _own_states(self, states: mx.array | None) -> mx.array | None:
-        """The tapped layers' columns (after the final state); None where they were not kept."""
-        width = self.drafter.fused_width
-        if states is None or states.shape[-1] < self.target_width + width:
-            return None
-        return states[..., self.target_width:self.target_width + width]
+        return tapped_columns(states, self.target_width, self.drafter.fused_width)
 
     def offer(self, row: ChainRow, alphas) -> Offer:
         return Offer(min(row.k, self.chain_k_max), chained=True)
@@ -153,14 +149,12 @@ class DFlashGroup(MTPGroup):
         embeds = self.view.embed(mx.array(heads)).astype(self._dtype)
         states = self.drafter(embeds, positions, self.kv.layers, visible[:, None, None, :])
         self.block_logits = self.view.logits(states[:, 1:])
-        self.next_position = 1
         return self.block_logits[:, 0]
 
     def _next_logits(self, tokens: mx.array) -> mx.array:
-        """Position j's logits were made with the block: the chain only reads them."""
-        logits = self.block_logits[:, self.next_position]
-        self.next_position += 1
-        return logits
+        """The next draft's logits were made with the block: the chain only reads them (at
+        chain step `depth`, draft depth + 1)."""
+        return self.block_logits[:, self.depth + 1]
 
     def settle(self, accepted: dict[int, int]) -> None:
         self.depth, self.block_logits = 0, None

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..kv.batched import BatchKV, layout_of
 from ..models.eagle3 import Eagle3Head, build_head, read_head
-from ..models.view import ModelView, tap_layers
+from ..models.view import ModelView, tap_layers, tapped_columns
 from ..monitor.memory import compute_dtype_bytes
 from ..progress import phase
 from .mtp import MTPGroup
@@ -86,8 +86,4 @@ class Eagle3Group(MTPGroup):
         return self.head.fused_width
 
     def _own_states(self, states: mx.array | None) -> mx.array | None:
-        """The tapped layers' columns (after the final state); None for states kept before the
-        layers were tapped (a prefix entry made by another method)."""
-        if states is None or states.shape[-1] < self.target_width + self._width:
-            return None
-        return states[..., self.target_width:self.target_width + self._width]
+        return tapped_columns(states, self.target_width, self._width)
