@@ -220,3 +220,19 @@ def test_an_mtp_row_gives_its_states_to_the_same_prompt_stored_without_them(runt
     outputs = [engine.generate([prompts[3]], PLAIN, 1, method=m)[0] for m in ("none", "mtp", "mtp")]
     assert [c.stats["cached_prompt_tokens"] for c in outputs] == [0, 0, len(prompts[3]) - 1]
     assert len({tuple(c.tokens) for c in outputs}) == 1
+
+
+def test_prefix_states_kept_before_a_head_tapped_more_layers_are_replaced(prompts):
+    """An MTP row kept a prompt's states; then an EAGLE-3 head tapped more of the target's
+    layers (a wider state). The next head row with that prompt computes the wide states once and
+    they replace the narrow ones: every later head row, of either method, reuses the prefix."""
+    from macspec.config import load_profile
+    from macspec.engine.runtime import Runtime
+
+    profile = load_profile("tiny-eagle3")
+    profile.speculative.method = "mtp"
+    engine = Engine(Runtime.load(profile), max_batch=4)  # its own target: the tap stays here
+    prompt = prompts[4]
+    cached = [engine.generate([prompt], PLAIN, 4, method=m)[0].stats["cached_prompt_tokens"]
+              for m in ("mtp", "mtp", "eagle3", "eagle3", "mtp")]
+    assert cached == [0, len(prompt) - 1, 0, len(prompt) - 1, len(prompt) - 1]

@@ -226,7 +226,8 @@ class Scheduler:
         if entry is None:
             return False
         kept = self.prefix_states.get(entry)
-        if kept is None or kept.shape[0] < states.shape[0]:
+        # narrower states were kept before a head tapped more of the target's layers: replaced
+        if kept is None or kept.shape[0] < states.shape[0] or kept.shape[-1] != states.shape[-1]:
             self.prefix_cache.add_bytes(tokens, states.nbytes - (kept.nbytes if kept is not None else 0))
             self.prefix_states[entry] = states
         return True
@@ -238,7 +239,8 @@ class Scheduler:
         best = None
         for key in self.prefix_cache.tree.keys_on_path(tuple(tokens)):
             states = self.prefix_states.get(self.prefix_cache.entries[key][0])
-            if states is not None and (best is None or states.shape[0] > best.shape[0]):
+            if (states is not None and states.shape[-1] == self.runner.states_width
+                    and (best is None or states.shape[0] > best.shape[0])):
                 best = states
         return best
 
