@@ -552,6 +552,7 @@ FORGE_WHATS = (
     ("glm5-mini", "a few-MB replica of GLM-5 with its MTP layer"),
     ("smollm2-mtp", "SmolLM2's MTP head, trained on its own answers (~30 min)"),
     ("smollm2-eagle3", "SmolLM2's EAGLE-3 head in the published layout (~60 min)"),
+    ("smollm2-dflash", "SmolLM2's DFlash block drafter in z-lab's layout, on the EAGLE-3 head's data (~45 min)"),
     ("tiny-eagle3", "the tiny target's EAGLE-3 head, from its training corpus (minutes)"),
     ("tiny-dflash", "the tiny target's DFlash block drafter, from its training corpus (~12 min)"),
 )
@@ -567,7 +568,7 @@ def _forge_usage(problem: str) -> click.UsageError:
 
 
 @main.command(short_help="Train or build models: the embedded family, tiny-wide, tiny-moe, the "
-              "seed replicas, SmolLM2's MTP and EAGLE-3 heads.",
+              "seed replicas, SmolLM2's MTP and EAGLE-3 heads and DFlash drafter.",
               help="Train or build WHAT (default: family): built models go into the cache "
                    "(built:NAME), heads over the shipped ones, unless --out.\n\n\b\n" + forge_listing())
 @click.argument("what", default="family")
@@ -575,7 +576,7 @@ def _forge_usage(problem: str) -> click.UsageError:
               help="Output directory (family: required; tiny-wide and the replicas: default the "
                    "cache dir that built:NAME resolves to; smollm2-mtp: the shipped head).")
 @click.option("--recipe", type=click.Choice(["full", "smoke"]), default="full", show_default=True,
-              help="family, smollm2-mtp, smollm2-eagle3, tiny-eagle3 and tiny-dflash only.")
+              help="family, the smollm2-* heads, tiny-eagle3 and tiny-dflash only.")
 @click.option("--reuse-target", is_flag=True,
               help="family only: keep OUT/tiny-target (tokenizer, target, MTP head); re-distill the "
                    "draft only.")
@@ -594,7 +595,7 @@ def forge(what, out, recipe, reuse_target, log_level):
         from .forge.build import RECIPES, forge as run_forge
 
         click.echo(json.dumps(run_forge(path, RECIPES[recipe], reuse_target=reuse_target), indent=2))
-    elif what in ("tiny-eagle3", "tiny-dflash", "smollm2-eagle3", "smollm2-mtp"):
+    elif what in ("tiny-eagle3", "tiny-dflash", "smollm2-eagle3", "smollm2-dflash", "smollm2-mtp"):
         _forge_head(what, path, recipe)
     else:
         _forge_built(what, path)
@@ -622,6 +623,12 @@ def _forge_head(what: str, out, recipe: str) -> None:
         path = out or embedded_dir() / HEAD_ASSET
         click.echo(json.dumps(forge_head(path, RECIPES[recipe]), indent=2))
         click.echo(f"wrote the SmolLM2 EAGLE-3 head into {path}")
+    elif what == "smollm2-dflash":
+        from .forge.smollm2_dflash import DRAFTER_ASSET, RECIPES as SMOL_DFLASH, forge_drafter as forge_smol
+
+        path = out or embedded_dir() / DRAFTER_ASSET
+        click.echo(json.dumps(forge_smol(path, SMOL_DFLASH[recipe]), indent=2))
+        click.echo(f"wrote the SmolLM2 DFlash drafter into {path}")
     else:
         from .forge.smollm2 import HEAD_ASSET, RECIPES, forge_head
 

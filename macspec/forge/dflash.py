@@ -84,41 +84,55 @@ def block_logits(drafter: DFlashDrafter, view: ModelView, tokens: mx.array, fuse
     return view.logits(states[:, 1:])
 
 
-def teacher_at(teacher: mx.array, anchors: mx.array, size: int) -> mx.array:
-    """The target's logits at positions anchor .. anchor + size - 2: [B·A, size - 1, V]."""
-    positions = (anchors[..., None] + mx.arange(size - 1)).reshape(anchors.shape[0], -1)
-    picked = mx.take_along_axis(teacher, positions[..., None], axis=1)
-    return picked.reshape(-1, size - 1, teacher.shape[-1])
+def anchor_positions(anchors: mx.array, size: int) -> mx.array:
+    """Positions anchor .. anchor + size - 2 of every anchor [B, A] -> [B, A·(size - 1)]: where
+    the target's next-token distributions teach the block's outputs 1 .. size - 1."""
+    return (anchors[..., None] + mx.arange(size - 1)).reshape(anchors.shape[0], -1)
 
 
 def weighted_loss(drafter, view, tokens, fused, teacher, anchors, decay: float) -> mx.array:
-    """Forward KL per block position, position j weighted decay^(j-1)."""
-    size = drafter.config.block_size
+    """Forward KL per block position, position j weighted decay^(j-1); `teacher`: the target's
+    logits at every block's positions [B·A, size - 1, V]."""
     logits = block_logits(drafter, view, tokens, fused, anchors).astype(mx.float32)
-    target = teacher_at(teacher, anchors, size).astype(mx.float32)
+    target = teacher.astype(mx.float32)
     p_log = target - mx.logsumexp(target, axis=-1, keepdims=True)
     q_log = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     kl = (mx.exp(p_log) * (p_log - q_log)).sum(-1)  # [R, size - 1]
-    weights = decay ** mx.arange(size - 1, dtype=mx.float32)
+    weights = decay ** mx.arange(teacher.shape[1], dtype=mx.float32)
     return (kl * weights).sum() / (weights.sum() * kl.shape[0])
 
 
 def batches(records, states, recipe: DFlashRecipe, view: ModelView, seed: int, endless: bool = True):
-    """(tokens [B, L], fused [B, L, K·H], teacher logits [B, L, V], anchors [B, A])."""
+    """(tokens [B, L], fused [B, L, K·H], teacher logits [B·A, size - 1, V], anchors [B, A]):
+    L = the shortest picked sequence (prompt + answer) cut to seq_len; anchors lie in the answer
+    (a chat prompt is the user's text, which the target never writes); the teacher's logits are
+    computed at the anchors' positions only (a 49k vocabulary over every position would dominate)."""
     rng = np.random.default_rng(seed)
     sched, size = recipe.schedule, recipe.block_size
-    order = iter(range(len(records)))
+    usable = [i for i, r in enumerate(records)
+              if min(len(r["prompt_ids"]) + len(r["answer_ids"]), sched.seq_len) - size + 1 > max(1, len(r["prompt_ids"]))]
+    order = iter(usable)
     while True:
-        picks = list(rng.integers(0, len(records), sched.batch_size)) if endless else \
+        picks = [usable[j] for j in rng.integers(0, len(usable), sched.batch_size)] if endless else \
             [i for _, i in zip(range(sched.batch_size), order)]
         if not picks:
             return
-        length = min(len(records[i]["answer_ids"]) for i in picks)
-        tokens = mx.array([records[i]["answer_ids"][:length] for i in picks])
+        seqs = [records[i]["prompt_ids"] + records[i]["answer_ids"] for i in picks]
+        length = min(sched.seq_len, *(len(q) for q in seqs))
+        starts = [max(1, len(records[i]["prompt_ids"])) for i in picks]
+        last = length - size + 1  # an anchor's block must end inside the window
+        usable_rows = [j for j, a in enumerate(starts) if a < last]
+        if not usable_rows:
+            continue
+        picks, seqs, starts = ([x[j] for j in usable_rows] for x in (picks, seqs, starts))
+        tokens = mx.array([q[:length] for q in seqs])
         final = mx.array(np.stack([states[i][0][:length] for i in picks]).astype(np.float32))
         fused = mx.array(np.stack([states[i][1][:length] for i in picks]).astype(np.float32))
-        anchors = mx.array(rng.integers(1, length - size + 2, (len(picks), recipe.anchors)), dtype=mx.int32)
-        teacher = view.logits(final)
+        anchors = mx.array(np.stack([rng.integers(a, last + 1, recipe.anchors) for a in starts]), dtype=mx.int32)
+        at = anchor_positions(anchors, size)
+        picked = mx.take_along_axis(final, at[..., None], axis=1)  # [B, A·(size-1), H]
+        teacher = view.logits(picked)
+        teacher = teacher.reshape(-1, size - 1, teacher.shape[-1])
         mx.eval(teacher)
         yield tokens, fused, teacher, anchors
 
@@ -129,7 +143,7 @@ def agreement(drafter, view, held, size: int) -> list[float]:
     hits, counts = np.zeros(size - 1), np.zeros(size - 1)
     for tokens, fused, teacher, anchors in held:
         logits = block_logits(drafter, view, tokens, fused, anchors)
-        same = logits.argmax(-1) == teacher_at(teacher, anchors, size).argmax(-1)
+        same = logits.argmax(-1) == teacher.argmax(-1)
         hits += np.array(same.sum(0))
         counts += same.shape[0]
     return [round(float(h / max(c, 1)), 4) for h, c in zip(hits, counts)]

@@ -1,0 +1,105 @@
+"""Forge SmolLM2-135M-Instruct's DFlash block drafter (`macspec forge smollm2-dflash`).
+
+The EAGLE-3 head's data at the EAGLE-3 head's budget (forge/smollm2_eagle3.py): the model's own
+answers to the offline chat prompts (1 in 10 held out) and the reference pairs, with the target's
+final state and the outputs of layers 1, 14 and 26, the layers the EAGLE-3 head reads (one tap
+serves both on one server). The drafter (forge/dflash.py) is trained at random anchors inside the
+answers to predict the target's next-token distribution at every block position; saved in
+z-lab's layout (config.json + model.safetensors, bfloat16) with a report (drafter.json).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from mlx.utils import tree_flatten
+
+from . import chat_prompts, dflash, eagle3, smollm2, train
+from .smollm2_eagle3 import RECIPES as EAGLE3_RECIPES, states_path
+from ..models.dflash import drafter_config, save_drafter
+from ..models.view import ModelView, tap_layers
+
+logger = logging.getLogger(__name__)
+
+DRAFTER_ASSET = "smollm2-dflash"  # the shipped drafter's dir under the embedded assets
+
+
+@dataclass
+class SmolDFlashRecipe:
+    answers: smollm2.HeadRecipe = field(default_factory=lambda: EAGLE3_RECIPES["full"].answers)
+    layers: int = 2  # 7.5M parameters in its layers + fc: the EAGLE-3 head has 9.8M
+    block_size: int = 16  # drafts 1..15 trained; the plan verifies what pays
+    anchors: int = 6  # blocks per sequence per step
+    decay: float = 0.8
+    schedule: train.TrainSchedule = field(default_factory=lambda: train.TrainSchedule(
+        steps=480, batch_size=8, seq_len=160, lr=1e-3, warmup=30, log_every=20, compile=False))
+    seed: int = 0
+
+
+RECIPES = {
+    "full": SmolDFlashRecipe(),
+    "smoke": SmolDFlashRecipe(answers=EAGLE3_RECIPES["smoke"].answers, block_size=4, anchors=2,
+                              schedule=train.TrainSchedule(steps=2, batch_size=2, seq_len=48, warmup=1,
+                                                           log_every=1, compile=False)),
+}
+
+
+def forge_drafter(out: Path, recipe: SmolDFlashRecipe) -> dict:
+    """Every stage, resumed from the EAGLE-3 forge's work dirs; writes the drafter into `out`."""
+    from ..config import load_profile
+    from ..engine.runtime import Runtime
+    from ..models.loader import load_model
+
+    t0 = time.perf_counter()
+    data = recipe.answers
+    work = smollm2.work_dir(data)
+    work.mkdir(parents=True, exist_ok=True)
+    loaded = load_model(smollm2.TARGET, dtype="float32")
+    prompts = chat_prompts.build_prompts(data.num_prompts, data.seed)
+    records = smollm2.generate_answers(Runtime(load_profile("smollm2"), loaded, "none"), prompts,
+                                       data, work / "answers.jsonl")
+    references = smollm2.reference_records(loaded.tokenizer, data)
+    num_layers = len(ModelView(loaded.model).inner.layers)
+    layers = eagle3.default_layers(num_layers)
+    config = drafter_config(loaded.config, recipe.layers, recipe.block_size, target_layers=layers)
+    tap_layers(loaded.model, config.target_layer_ids)
+    view = ModelView(loaded.model)
+    states = eagle3.target_states(view, records, states_path(work, records, layers, "answers"))
+    ref_work = smollm2.work_dir(data, smollm2.REFERENCE_FIELDS)
+    ref_work.mkdir(parents=True, exist_ok=True)
+    ref_states = eagle3.target_states(view, references, states_path(ref_work, references, layers, "reference"))
+    t_data = time.perf_counter() - t0
+    train_idx = [i for i, r in enumerate(records) if not r["heldout"]]
+    held_idx = [i for i, r in enumerate(records) if r["heldout"]]
+    train_recs = [records[i] for i in train_idx] + references
+    train_states = [states[i] for i in train_idx] + ref_states
+    drafter = dflash.init_drafter(view, config, recipe.seed)
+
+    def loss_fn(tokens, fused, teacher, anchors):
+        return dflash.weighted_loss(drafter, view, tokens, fused, teacher, anchors, recipe.decay)
+
+    t1 = time.perf_counter()
+    loss = train._run(drafter, loss_fn, lambda batch: batch, recipe.schedule, recipe.seed, None, "dflash",
+                      dflash.batches(train_recs, train_states, recipe, view, recipe.seed))
+    t_train = time.perf_counter() - t1
+    held = dflash.batches([records[i] for i in held_idx], [states[i] for i in held_idx], recipe, view, 0,
+                          endless=False)
+    report = {
+        "target": smollm2.TARGET, "format": "DFlash (z-lab layout: config.json + model.safetensors)",
+        "recipe": {k: v for k, v in asdict(recipe).items() if k != "schedule"},
+        "schedule": asdict(recipe.schedule), "target_layers": list(layers),
+        "prompts": {"train": len(train_idx), "heldout": len(held_idx), "reference": len(references)},
+        "drafter_params": sum(v.size for _, v in tree_flatten(drafter.parameters())),
+        "final_loss": round(loss, 4),
+        "heldout_top1_agreement_by_position": dflash.agreement(drafter, view, held, recipe.block_size),
+        "seconds": {"data": round(t_data, 1), "train": round(t_train, 1),
+                    "total": round(time.perf_counter() - t0, 1)},
+    }
+    save_drafter(drafter, out)
+    (out / "drafter.json").write_text(json.dumps(report, indent=2) + "\n")
+    logger.info("smollm2 DFlash drafter: %s", report)
+    return report
