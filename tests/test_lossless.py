@@ -236,3 +236,24 @@ def test_prefix_states_kept_before_a_head_tapped_more_layers_are_replaced(prompt
     cached = [engine.generate([prompt], PLAIN, 4, method=m)[0].stats["cached_prompt_tokens"]
               for m in ("mtp", "mtp", "eagle3", "eagle3", "mtp")]
     assert cached == [0, len(prompt) - 1, 0, len(prompt) - 1, len(prompt) - 1]
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3", "dflash"])
+def test_a_head_runs_only_for_rows_that_draft(runtime_for, prompts, monkeypatch, method):
+    """A head reading the target's states is fed a row's context at its first proposal (as a
+    draft model is): a request that never drafts costs its head nothing; one that drafts later
+    gets every state so far, and its output equals plain's."""
+    from macspec.models.dflash import DFlashDrafter
+    from macspec.models.eagle3 import Eagle3Head
+    from macspec.models.mtp import MTPHead
+
+    module = {"mtp": MTPHead, "eagle3": Eagle3Head, "dflash": DFlashDrafter}[method]
+    calls = []
+    original = module.__call__
+    monkeypatch.setattr(module, "__call__", lambda self, *a, **kw: calls.append(1) or original(self, *a, **kw))
+    engine = Engine(runtime_for(method), max_batch=4)
+    plain = engine.generate([prompts[5]], PLAIN, 24, method="none")[0].tokens
+    idle = engine.generate([prompts[5]], PLAIN, 24, method=method, num_draft=0, adaptive=False)[0]
+    assert idle.tokens == plain and calls == []
+    drafting = engine.generate([prompts[5]], PLAIN, 24, method=method, num_draft=3, adaptive=False)[0]
+    assert drafting.tokens == plain and calls and drafting.stats["spec"]["accepted"] > 0

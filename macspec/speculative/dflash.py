@@ -24,7 +24,7 @@ from ..models.view import ModelView, tap_layers, tapped_columns
 from ..monitor.memory import compute_dtype_bytes
 from ..progress import phase
 from .base import ChainGroup, ChainRow, Offer
-from .mtp import MTPGroup, MTPRow
+from .mtp import MTPGroup, MTPRow, WaitingRow
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ class DFlashGroup(MTPGroup):
         self.config = drafter.config
         self.chain_k_max = self.config.block_size - 1
         self.rows: dict[int, MTPRow] = {}
+        self.waiting: dict[int, WaitingRow] = {}
         self.target_width = int(view.inner.norm.weight.shape[0])
         self.block_logits: mx.array | None = None  # [n, block - 1, V] of the last proposal
 
@@ -100,9 +101,9 @@ class DFlashGroup(MTPGroup):
     def offer(self, row: ChainRow, alphas) -> Offer:
         return Offer(min(row.k, self.chain_k_max), chained=True)
 
-    def join(self, key, committed, prompt_hidden, hidden_start=0) -> None:
-        """The prompt's context written into a fresh row (its last committed token is the
-        first block's head)."""
+    def _join_now(self, key, committed, prompt_hidden, hidden_start=0) -> None:
+        """The context so far written into a fresh row (its last committed token is the first
+        block's head)."""
         caches = [KVCache() for _ in self.drafter.layers]
         states = self._own_states(prompt_hidden)
         count = 0 if states is None else states.shape[0]

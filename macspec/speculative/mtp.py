@@ -14,7 +14,7 @@ from ..kv.batched import BatchKV, layout_of
 from ..kv.cache import eval_cache, make_trimmable_cache
 from ..models.checkpoint import load_mtp_head
 from ..models.mtp import MTPHead
-from ..models.view import ModelView
+from ..models.view import ModelView, join_states
 from ..monitor.memory import compute_dtype_bytes, kv_bytes_per_token as model_kv_bytes
 from ..progress import phase
 from .base import ChainGroup, ChainRow, pad_rows
@@ -69,6 +69,23 @@ class MTPRow:
         return rows
 
 
+class WaitingRow:
+    """A row not yet fed to the head: the target's states from `start` on, all kept (the row's
+    first proposal feeds them at once)."""
+
+    def __init__(self, start: int, blocks: list[mx.array]):
+        self.start = start
+        self.blocks = blocks
+
+    def add(self, rows: mx.array) -> None:
+        self.blocks.append(rows)
+        if len(self.blocks) > 16:  # each is a view holding its whole step's [B, W, H] alive
+            self.blocks = [join_states(self.blocks)]
+
+    def states(self) -> mx.array | None:
+        return join_states(self.blocks) if self.blocks else None
+
+
 class MTPGroup(ChainGroup):
     method = "mtp"
     needs_hidden = True
@@ -79,11 +96,32 @@ class MTPGroup(ChainGroup):
         self.head = head
         self.view = view
         self.rows: dict[int, MTPRow] = {}
+        self.waiting: dict[int, WaitingRow] = {}
         self.state: mx.array | None = None  # the head's output state chained to the next step
 
     def join(self, key, committed, prompt_hidden, hidden_start=0) -> None:
-        """Feed the prompt's states into a fresh row, all but the last: its logits make the
-        first proposal, together with whatever the first decode step adds."""
+        # The head's prefill waits for the row's first proposal (as a draft model's does): a row
+        # whose speculation stays off, or that finishes first, never pays it.
+        self.waiting[key] = WaitingRow(hidden_start, [] if prompt_hidden is None else [prompt_hidden])
+
+    @property
+    def keys(self) -> list[int]:
+        return [*self.row_keys, *self.waiting]
+
+    def leave(self, key: int) -> None:
+        self.waiting.pop(key, None)
+        super().leave(key)
+
+    def propose(self, rows: list[ChainRow]):
+        for row in rows:
+            if row.k and row.key in self.waiting:
+                waiting = self.waiting.pop(row.key)
+                self._join_now(row.key, row.committed, waiting.states(), waiting.start)
+        return super().propose([row for row in rows if row.key not in self.waiting])
+
+    def _join_now(self, key, committed, prompt_hidden, hidden_start=0) -> None:
+        """Feed the states so far into a fresh row, all but the last: its logits make the
+        first proposal, together with whatever the next decode step adds."""
         cache = self.layout_cache()
         row = MTPRow(hidden_start)
         prompt_hidden = self._own_states(prompt_hidden)
@@ -120,7 +158,11 @@ class MTPGroup(ChainGroup):
 
     def observe(self, key: int, hidden: mx.array) -> None:
         hidden = self._own_states(hidden)
-        if key in self.rows and hidden is not None:
+        if hidden is None:
+            return
+        if key in self.waiting:
+            self.waiting[key].add(hidden)
+        elif key in self.rows:
             self.rows[key].add(hidden)
 
     def _can_draft(self, row: ChainRow) -> bool:
