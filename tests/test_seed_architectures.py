@@ -148,8 +148,17 @@ def test_tokenizer_check_accepts_the_pair_and_names_a_differing_token(kimi, tmp_
 
 
 @pytest.fixture(scope="module")
-def kimi_tp(tmp_path_factory):
-    server = TPServer("kimi-tp2-mini", tmp_path_factory.mktemp("kimi-tp"))
+def kimi_tp(tmp_path_factory, kimi):
+    """kimi-tp2-mini over two ranks, with a DFlash drafter made for it (random weights) beside
+    its draft model."""
+    from macspec.models.dflash import random_drafter
+
+    home = tmp_path_factory.mktemp("kimi-tp")
+    drafter = random_drafter(home / "dflash", kimi.target.config, block_size=4)
+    profile = home / "kimi-tp2-mini.toml"
+    profile.write_text(Path(find_profile("kimi-tp2-mini")).read_text().replace(
+        "[speculative]\n", f'[speculative]\ndflash_drafter = "{drafter}"\n'))
+    server = TPServer(str(profile), home)
     yield server
     assert server.stop() == 0, server.log.read_text()[-2000:]
     assert "Traceback" not in server.log.read_text()
@@ -173,12 +182,12 @@ def _complete(url: str, prompt: str, method: str, k: int, max_tokens: int = 48) 
 
 def test_kimi_tp2_equals_one_process_at_every_k_sequential_and_concurrent(kimi_tp, kimi_single, texts):
     expected = {t: _complete(kimi_single.url, t, "none", 1)[0] for t in texts[:2]}
-    cases = [(t, "draft", k) for t in texts[:2] for k in (1, 2, 4, 8)]
+    cases = [(t, "draft", k) for t in texts[:2] for k in (1, 2, 4, 8)] + [(t, "dflash", 3) for t in texts[:2]]
     sequential = [_complete(kimi_tp.url, *c) for c in cases[:4]]
     with ThreadPoolExecutor(4) as pool:
         concurrent = list(pool.map(lambda c: _complete(kimi_tp.url, *c), cases[4:]))
-    for (text, _, k), (got, _, stats) in zip(cases, sequential + concurrent):
-        assert got == expected[text], k
+    for (text, method, k), (got, _, stats) in zip(cases, sequential + concurrent):
+        assert got == expected[text], (method, k)
         assert stats["spec"]["drafted"] > 0
     assert kimi_tp.status()["tensor_parallel"]["ranks"] == 2
 
@@ -198,19 +207,24 @@ def test_kimi_tp2_reference_scenario_completes(kimi_tp, texts):
         assert stats["finish_reason"] == "length" and seconds < 60, (seconds, stats["finish_reason"])
 
 
-def test_glm_mtp_under_tp2_is_lossless(tmp_path, glm):
+def test_glm_mtp_and_dflash_under_tp2_are_lossless(tmp_path, glm):
+    """Its MTP layer and a DFlash drafter made for it (random weights) over two ranks."""
+    from macspec.models.dflash import random_drafter
+
+    drafter = random_drafter(tmp_path / "dflash", glm.target.config, block_size=4)
     profile = tmp_path / "glm5-mtp-mini-tp2.toml"
-    profile.write_text(Path(find_profile("glm5-mtp-mini")).read_text() +
-                       '\n[parallel]\ntensor_parallel = 2\nbackend = "ring"\n'
-                       'hosts = ["127.0.0.1", "127.0.0.1"]\n')
+    profile.write_text(Path(find_profile("glm5-mtp-mini")).read_text().replace(
+        "[speculative]\n", f'[speculative]\ndflash_drafter = "{drafter}"\n') +
+        '\n[parallel]\ntensor_parallel = 2\nbackend = "ring"\nhosts = ["127.0.0.1", "127.0.0.1"]\n')
     server = TPServer(str(profile), tmp_path / "home")
     try:
         with RunningServer(glm, max_batch=4) as single:
             for text in [glm.tokenizer.decode(p) for p in heldout_prompts(glm.tokenizer, 2)]:
                 expected = _complete(single.url, text, "none", 1)[0]
-                got, _, stats = _complete(server.url, text, "mtp", 3)
-                assert got == expected
-                assert stats["spec"]["drafted"] > 0 and stats["method"] == "mtp"
+                for method in ("mtp", "dflash"):
+                    got, _, stats = _complete(server.url, text, method, 3)
+                    assert got == expected, method
+                    assert stats["spec"]["drafted"] > 0 and stats["method"] == method
         status = server.status()
         assert status["speculation_faults"]["total"] == 0
         assert status["speculation"]["mtp"]["acceptance_rate"] > 0.3, status["speculation"]

@@ -72,8 +72,9 @@ def _seed_chain(speculator: Speculator, method: str, k_max: int, width: int, for
     if not group.lazy_chain:
         return  # a lookup: its drafts cost host work only, measured with the step
     depth_cap = group.chain_k_max or k_max
-    one = _time_chain(group, k_max, width, 1)
-    four = _time_chain(speculator.make_group(method), k_max, width, 4)
+    depth = min(k_max, depth_cap)  # a block of 4 drafts at most 3, whatever num_draft_tokens says
+    one = _time_chain(group, depth, width, 1)
+    four = _time_chain(speculator.make_group(method), depth, width, 4)
     for (rows, window), seconds in forward.items():
         if window > 1:
             chain_step = one + (four - one) * (rows - 1) / 3
