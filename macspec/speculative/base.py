@@ -101,6 +101,11 @@ class ProposerGroup(ABC):
         """Drafts for the rows with k > 0 (lazy where the proposer is a model). `rows` covers
         every row the group holds."""
 
+    def start_rows(self, rows: list[ChainRow]) -> None:
+        """Before propose(): rows drafting (k > 0) for the first time take their context. A
+        model proposer defers its prefill to here, so a row that never drafts never pays it;
+        the speculator times it apart from the step (a request's cost, as its prefill is)."""
+
     def offer(self, row: ChainRow, alphas: Callable[[str], list[float]]) -> "Offer":
         """Before the plan: what it can draft for the row this step (at most `row.k`), and from
         which kind of draft. `alphas(kind)`: the request's measured acceptance per position for

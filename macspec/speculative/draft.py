@@ -74,10 +74,13 @@ class DraftGroup(ChainGroup):
         self.waiting.discard(key)
         super().leave(key)
 
-    def propose(self, rows: list[ChainRow]):
+    def start_rows(self, rows: list[ChainRow]) -> None:
         for row in rows:
             if row.k and row.key in self.waiting:
                 self._prefill(row.key, row.committed)
+
+    def propose(self, rows: list[ChainRow]):
+        self.start_rows(rows)  # done already when the speculator called it
         return super().propose([row for row in rows if row.key not in self.waiting])
 
     def _prefill(self, key: int, committed: list[int]) -> None:

@@ -83,12 +83,20 @@ class HybridGroup(ProposerGroup):
         expected = expected_tokens(suffix.alphas(alphas(suffix.kind)), suffix.k_max)
         return suffix if expected >= expected_tokens(alphas(model.kind), model.k_max) else model
 
+    def _offer_of(self, row: ChainRow) -> Offer:
+        return row.offer if row.offer is not None else self.offer(row, lambda kind: [])
+
+    def start_rows(self, rows: list[ChainRow]) -> None:
+        """The model's rows whose chain runs this step (a suffix draft's row rides along)."""
+        self.model.start_rows([ChainRow(row.key, row.context, 0 if self._offer_of(row).tokens else
+                                        min(row.k, self.chain_k_max), row.rng) for row in rows])
+
     def propose(self, rows: list[ChainRow]) -> dict[int, Drafts]:
         picked: dict[int, Drafts] = {}
         model_rows = []
         self.chained = set()
         for row in rows:
-            offer = row.offer if row.offer is not None else self.offer(row, lambda kind: [])
+            offer = self._offer_of(row)
             k = min(row.k, self.chain_k_max)
             if offer.tokens and row.k:
                 picked[row.key] = Drafts(offer.tokens[:row.k])

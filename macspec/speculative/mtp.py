@@ -100,8 +100,8 @@ class MTPGroup(ChainGroup):
         self.state: mx.array | None = None  # the head's output state chained to the next step
 
     def join(self, key, committed, prompt_hidden, hidden_start=0) -> None:
-        # The head's prefill waits for the row's first proposal (as a draft model's does): a row
-        # whose speculation stays off, or that finishes first, never pays it.
+        # The head's prefill waits for the row's first proposal, as a draft model's does
+        # (base.start_rows): a row whose speculation stays off, or that finishes first, never pays it.
         self.waiting[key] = WaitingRow(hidden_start, [] if prompt_hidden is None else [prompt_hidden])
 
     @property
@@ -112,11 +112,14 @@ class MTPGroup(ChainGroup):
         self.waiting.pop(key, None)
         super().leave(key)
 
-    def propose(self, rows: list[ChainRow]):
+    def start_rows(self, rows: list[ChainRow]) -> None:
         for row in rows:
             if row.k and row.key in self.waiting:
                 waiting = self.waiting.pop(row.key)
                 self._join_now(row.key, row.committed, waiting.states(), waiting.start)
+
+    def propose(self, rows: list[ChainRow]):
+        self.start_rows(rows)  # done already when the speculator called it
         return super().propose([row for row in rows if row.key not in self.waiting])
 
     def _join_now(self, key, committed, prompt_hidden, hidden_start=0) -> None:

@@ -10,6 +10,7 @@ Sequence holds its request's Record; only this module writes one.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -61,6 +62,7 @@ class Speculator:
         self.totals: dict[str, SpecStats] = {}
         self.faults = SpecFaults()
         self.step_rows: list[PlanRow] = []  # the last plan's view of its rows
+        self.start_s = 0.0  # this step's first-proposal prefills (base.start_rows), seconds
         # method -> seeds its chain's step costs (set by calibration; None: not calibrated).
         self.calibrate_chain: Callable[[str], None] | None = None
 
@@ -126,6 +128,11 @@ class Speculator:
                 continue
             chain = [ChainRow(s.request.id, _draft_context(s, ks[i]), ks[i], s.rng, s.spec.offer)
                      for i, s in members]
+            started = time.perf_counter()
+            self.guarded("proposer_start", group.start_rows, chain, drop=method)
+            self.start_s += time.perf_counter() - started
+            if self.groups.get(method) is not group:  # it faulted taking rows on: dropped
+                continue
             drafts = self.guarded("propose", self._checked_drafts, group, chain, drop=method)
             for i, s in members:
                 out[i] = (drafts or {}).get(s.request.id)
@@ -159,9 +166,12 @@ class Speculator:
             self.guarded("proposer_observe", group.settle, accepted, drop=method)
 
     def observe_step(self, ks: list[int], seconds: float, tokens: int) -> None:
-        """The step just run (plan to commit) and the tokens it committed, for the policy."""
+        """The step just run (plan to commit) and the tokens it committed, for the policy: less
+        the rows' first-proposal prefills (a request's cost, not a step's: counted in the step,
+        one draft-model prefill priced every probe of a new request as a loss)."""
+        spent, self.start_s = seconds - self.start_s, 0.0
         if len(ks) == len(self.step_rows):
-            self.guarded("cost_model", self.policy.observe_step, self.step_rows, ks, seconds, tokens)
+            self.guarded("cost_model", self.policy.observe_step, self.step_rows, ks, spent, tokens)
 
     # ---- ends --------------------------------------------------------------------------------
     def leave(self, seq) -> None:
