@@ -18,10 +18,9 @@ from pathlib import Path
 
 from mlx.utils import tree_flatten
 
-from . import chat_prompts, dflash, eagle3, smollm2, train
-from .smollm2_eagle3 import RECIPES as EAGLE3_RECIPES, states_path
+from . import dflash, smollm2, train
+from .smollm2_eagle3 import RECIPES as EAGLE3_RECIPES, tapped_data
 from ..models.dflash import drafter_config, save_drafter
-from ..models.view import ModelView, tap_layers
 
 logger = logging.getLogger(__name__)
 
@@ -50,28 +49,11 @@ RECIPES = {
 
 def forge_drafter(out: Path, recipe: SmolDFlashRecipe) -> dict:
     """Every stage, resumed from the EAGLE-3 forge's work dirs; writes the drafter into `out`."""
-    from ..config import load_profile
-    from ..engine.runtime import Runtime
-    from ..models.loader import load_model
-
     t0 = time.perf_counter()
-    data = recipe.answers
-    work = smollm2.work_dir(data)
-    work.mkdir(parents=True, exist_ok=True)
-    loaded = load_model(smollm2.TARGET, dtype="float32")
-    prompts = chat_prompts.build_prompts(data.num_prompts, data.seed)
-    records = smollm2.generate_answers(Runtime(load_profile("smollm2"), loaded, "none"), prompts,
-                                       data, work / "answers.jsonl")
-    references = smollm2.reference_records(loaded.tokenizer, data)
-    num_layers = len(ModelView(loaded.model).inner.layers)
-    layers = eagle3.default_layers(num_layers)
-    config = drafter_config(loaded.config, recipe.layers, recipe.block_size, target_layers=layers)
-    tap_layers(loaded.model, config.target_layer_ids)
-    view = ModelView(loaded.model)
-    states = eagle3.target_states(view, records, states_path(work, records, layers, "answers"))
-    ref_work = smollm2.work_dir(data, smollm2.REFERENCE_FIELDS)
-    ref_work.mkdir(parents=True, exist_ok=True)
-    ref_states = eagle3.target_states(view, references, states_path(ref_work, references, layers, "reference"))
+    tapped = tapped_data(recipe.answers)
+    view, layers, records, states = tapped.view, tapped.layers, tapped.records, tapped.states
+    references, ref_states = tapped.references, tapped.ref_states
+    config = drafter_config(tapped.loaded.config, recipe.layers, recipe.block_size, target_layers=layers)
     t_data = time.perf_counter() - t0
     train_idx = [i for i, r in enumerate(records) if not r["heldout"]]
     held_idx = [i for i, r in enumerate(records) if r["heldout"]]

@@ -60,30 +60,53 @@ def states_path(work: Path, records: list[dict], layers: tuple[int, ...], name: 
     return work / f"states-{name}-{key.hexdigest()[:8]}.npz"
 
 
-def forge_head(out: Path, recipe: Eagle3Recipe) -> dict:
-    """Every stage, resumed from the work dirs; writes the head into `out`."""
+@dataclass
+class TappedData:
+    """SmolLM2 with layers 1, 14 and 26 tapped, its answers and the reference pairs, and the
+    target's states for each (final, tapped): what its EAGLE-3 head and DFlash drafter train on."""
+
+    loaded: object  # the target (LoadedModel)
+    view: ModelView
+    layers: tuple[int, ...]
+    records: list[dict]
+    states: list
+    references: list[dict]
+    ref_states: list
+    answers_s: float
+
+
+def tapped_data(data: smollm2.HeadRecipe) -> TappedData:
+    """Every data stage, resumed from the work dirs."""
     from ..config import load_profile
     from ..engine.runtime import Runtime
     from ..models.loader import load_model
 
     t0 = time.perf_counter()
-    data = recipe.answers
     work = smollm2.work_dir(data)
     work.mkdir(parents=True, exist_ok=True)
     loaded = load_model(smollm2.TARGET, dtype="float32")
     prompts = chat_prompts.build_prompts(data.num_prompts, data.seed)
     records = smollm2.generate_answers(Runtime(load_profile("smollm2"), loaded, "none"), prompts,
                                        data, work / "answers.jsonl")
-    t_answers = time.perf_counter() - t0
+    answers_s = time.perf_counter() - t0
     references = smollm2.reference_records(loaded.tokenizer, data)
-    num_layers = len(ModelView(loaded.model).inner.layers)
-    layers = eagle3.default_layers(num_layers)
+    layers = eagle3.default_layers(len(ModelView(loaded.model).inner.layers))
     tap_layers(loaded.model, layers)
     view = ModelView(loaded.model)
     states = eagle3.target_states(view, records, states_path(work, records, layers, "answers"))
     ref_work = smollm2.work_dir(data, smollm2.REFERENCE_FIELDS)
     ref_work.mkdir(parents=True, exist_ok=True)
     ref_states = eagle3.target_states(view, references, states_path(ref_work, references, layers, "reference"))
+    return TappedData(loaded, view, layers, records, states, references, ref_states, answers_s)
+
+
+def forge_head(out: Path, recipe: Eagle3Recipe) -> dict:
+    """Every stage, resumed from the work dirs; writes the head into `out`."""
+    t0 = time.perf_counter()
+    data = recipe.answers
+    tapped = tapped_data(data)
+    loaded, view, layers, records, states = tapped.loaded, tapped.view, tapped.layers, tapped.records, tapped.states
+    references, ref_states, t_answers = tapped.references, tapped.ref_states, tapped.answers_s
     t_data = time.perf_counter() - t0
     train_idx = [i for i, r in enumerate(records) if not r["heldout"]]
     held_idx = [i for i, r in enumerate(records) if r["heldout"]]
