@@ -552,7 +552,7 @@ FORGE_WHATS = (
     ("glm5-mini", "a few-MB replica of GLM-5 with its MTP layer"),
     ("smollm2-mtp", "SmolLM2's MTP head, trained on its own answers (~30 min)"),
     ("smollm2-eagle3", "SmolLM2's EAGLE-3 head in the published layout (~60 min)"),
-    ("smollm2-dflash", "SmolLM2's DFlash block drafter in z-lab's layout, on the EAGLE-3 head's data (~45 min)"),
+    ("smollm2-dflash", "SmolLM2's DFlash block drafter, on the EAGLE-3 head's data (~55 min)"),
     ("tiny-eagle3", "the tiny target's EAGLE-3 head, from its training corpus (minutes)"),
     ("tiny-dflash", "the tiny target's DFlash block drafter, from its training corpus (~12 min)"),
 )
@@ -576,7 +576,7 @@ def _forge_usage(problem: str) -> click.UsageError:
               help="Output directory (family: required; tiny-wide and the replicas: default the "
                    "cache dir that built:NAME resolves to; smollm2-mtp: the shipped head).")
 @click.option("--recipe", type=click.Choice(["full", "smoke"]), default="full", show_default=True,
-              help="family, the smollm2-* heads, tiny-eagle3 and tiny-dflash only.")
+              help="family and the heads only (not tiny-wide, tiny-moe or the replicas).")
 @click.option("--reuse-target", is_flag=True,
               help="family only: keep OUT/tiny-target (tokenizer, target, MTP head); re-distill the "
                    "draft only.")
