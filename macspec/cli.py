@@ -576,7 +576,7 @@ def _forge_usage(problem: str) -> click.UsageError:
               help="Output directory (family: required; tiny-wide and the replicas: default the "
                    "cache dir that built:NAME resolves to; smollm2-mtp: the shipped head).")
 @click.option("--recipe", type=click.Choice(["full", "smoke"]), default="full", show_default=True,
-              help="family and the heads only (not tiny-wide, tiny-moe or the replicas).")
+              help="family and the heads only (built models have no recipe).")
 @click.option("--reuse-target", is_flag=True,
               help="family only: keep OUT/tiny-target (tokenizer, target, MTP head); re-distill the "
                    "draft only.")
