@@ -9,7 +9,7 @@ import mlx.core as mx
 
 from .. import proposers
 from ..errors import RequestError
-from ..models.view import join_states
+from ..models.view import kept_states
 from ..sampling import Rng, RowContext
 from ..speculative.speculator import Record, Speculator
 from ..speculative.stats import SpecStats
@@ -103,9 +103,7 @@ class Sequence:
 
     def keep_states(self, hidden: mx.array) -> None:
         """The target's states for the positions just committed (a proposer reads them)."""
-        self.states.append(hidden)
-        if len(self.states) > 16:  # each is a view holding its whole step's [B, W, H] alive
-            self.states = [join_states(self.states)]
+        self.states = kept_states(self.states, hidden)
 
     def emit(self, event: Event) -> None:
         if self.closed:

@@ -84,6 +84,13 @@ def tapped_columns(states: mx.array | None, final_width: int, width: int) -> mx.
     return states[..., final_width:final_width + width]
 
 
+def kept_states(blocks: list[mx.array], rows: mx.array) -> list[mx.array]:
+    """`blocks` with `rows` appended, joined into one block past 16: each is a view holding its
+    whole step's [B, W, H] alive."""
+    blocks = [*blocks, rows]
+    return [join_states(blocks)] if len(blocks) > 16 else blocks
+
+
 def join_states(blocks: list[mx.array]) -> mx.array:
     """Blocks of one row's states, oldest first, joined. Taps installed mid-flight (a request
     loaded an EAGLE-3 head) widen later blocks; the row keeps the width all blocks share."""

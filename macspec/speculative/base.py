@@ -134,17 +134,29 @@ class ChainGroup(ProposerGroup):
         self.kv = kv
         self.vocab_size = vocab_size  # the target's: drafts beyond it could never be accepted
         self.row_keys: list[int] = []
+        # rows joined but not yet taken on (start_rows), with what join() kept for them
+        self.waiting: dict[int, object] = {}
         self.depth = 0  # chain steps fed in the last proposal (rolled back by settle)
 
     @property
     def keys(self) -> list[int]:
-        return list(self.row_keys)
+        return [*self.row_keys, *self.waiting]
+
+    def start_rows(self, rows: list[ChainRow]) -> None:
+        for row in rows:
+            if row.k and row.key in self.waiting:
+                self._take_on(row, self.waiting.pop(row.key))
+
+    @abstractmethod
+    def _take_on(self, row: ChainRow, kept) -> None:
+        """A waiting row's prefill, from what join() kept for it."""
 
     def _add(self, key: int, cache: list, length: int) -> None:
         self.kv.add_row(cache, length)
         self.row_keys.append(key)
 
     def leave(self, key: int) -> None:
+        self.waiting.pop(key, None)
         if key in self.row_keys:
             index = self.row_keys.index(key)
             self.kv.remove_row(index)
@@ -166,6 +178,7 @@ class ChainGroup(ProposerGroup):
         return True
 
     def propose(self, rows: list[ChainRow]) -> dict[int, Drafts]:
+        self.start_rows(rows)  # done already when the speculator called it
         by_key = {row.key: row for row in rows}
         rows = [by_key[key] for key in self.row_keys]  # the KV's row order
         able = [self._can_draft(row) for row in rows]

@@ -24,7 +24,7 @@ from ..models.view import ModelView, tap_layers, tapped_columns
 from ..monitor.memory import compute_dtype_bytes
 from ..progress import phase
 from .base import ChainGroup, ChainRow, Offer
-from .mtp import MTPGroup, MTPRow, WaitingRow
+from .mtp import MTPGroup, MTPRow
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,6 @@ class DFlashGroup(MTPGroup):
         self.config = drafter.config
         self.chain_k_max = self.config.block_size - 1
         self.rows: dict[int, MTPRow] = {}
-        self.waiting: dict[int, WaitingRow] = {}
         self.target_width = int(view.inner.norm.weight.shape[0])
         self.block_logits: mx.array | None = None  # [n, block - 1, V] of the last proposal
 

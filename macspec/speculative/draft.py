@@ -59,37 +59,18 @@ class DraftGroup(ChainGroup):
         self.model = model
         self.prefill_chunk = prefill_chunk
         self.fed: dict[int, int] = {}  # row -> committed tokens its KV holds
-        self.waiting: set[int] = set()  # rows joined but not yet prefilled
 
     def join(self, key, committed, prompt_hidden, hidden_start=0) -> None:
         # The draft's own prefill waits for the row's first proposal: a row whose speculation
         # stays off (or that finishes first) never pays it.
-        self.waiting.add(key)
+        self.waiting[key] = None
 
-    @property
-    def keys(self) -> list[int]:
-        return [*self.row_keys, *self.waiting]
-
-    def leave(self, key: int) -> None:
-        self.waiting.discard(key)
-        super().leave(key)
-
-    def start_rows(self, rows: list[ChainRow]) -> None:
-        for row in rows:
-            if row.k and row.key in self.waiting:
-                self._prefill(row.key, row.committed)
-
-    def propose(self, rows: list[ChainRow]):
-        self.start_rows(rows)  # done already when the speculator called it
-        return super().propose([row for row in rows if row.key not in self.waiting])
-
-    def _prefill(self, key: int, committed: list[int]) -> None:
-        prompt = committed[:-1]  # the last committed token is fed by the proposal itself
+    def _take_on(self, row: ChainRow, kept) -> None:
+        key, prompt = row.key, row.committed[:-1]  # the last committed token is fed by the proposal
         cache = make_trimmable_cache(self.model)
         for start in range(0, len(prompt), self.prefill_chunk):
             self.model(mx.array(prompt[start:start + self.prefill_chunk])[None], cache=cache)
             eval_cache(cache)
-        self.waiting.discard(key)
         self._add(key, cache, len(prompt))
         self.fed[key] = len(prompt)
 

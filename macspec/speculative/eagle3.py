@@ -74,7 +74,6 @@ class Eagle3Group(MTPGroup):
         self.head = head
         self.view = view
         self.rows = {}
-        self.waiting = {}
         self.state = None
         self.target_width = int(view.inner.norm.weight.shape[0])
 

@@ -86,10 +86,14 @@ class HybridGroup(ProposerGroup):
     def _offer_of(self, row: ChainRow) -> Offer:
         return row.offer if row.offer is not None else self.offer(row, lambda kind: [])
 
+    def _model_k(self, row: ChainRow, offer: Offer) -> int:
+        """How deep the model's chain drafts for the row (0: a suffix draft's row rides along in
+        the chain, catching up next time)."""
+        return 0 if offer.tokens else min(row.k, self.chain_k_max)
+
     def start_rows(self, rows: list[ChainRow]) -> None:
-        """The model's rows whose chain runs this step (a suffix draft's row rides along)."""
-        self.model.start_rows([ChainRow(row.key, row.context, 0 if self._offer_of(row).tokens else
-                                        min(row.k, self.chain_k_max), row.rng) for row in rows])
+        self.model.start_rows([ChainRow(row.key, row.context, self._model_k(row, self._offer_of(row)), row.rng)
+                               for row in rows])
 
     def propose(self, rows: list[ChainRow]) -> dict[int, Drafts]:
         picked: dict[int, Drafts] = {}
@@ -97,10 +101,9 @@ class HybridGroup(ProposerGroup):
         self.chained = set()
         for row in rows:
             offer = self._offer_of(row)
-            k = min(row.k, self.chain_k_max)
+            k = self._model_k(row, offer)
             if offer.tokens and row.k:
                 picked[row.key] = Drafts(offer.tokens[:row.k])
-                k = 0  # rides along in the model's chain, catching up next time
             elif k:
                 self.chained.add(row.key)
             model_rows.append(ChainRow(row.key, row.context, k, row.rng))

@@ -14,7 +14,7 @@ from ..kv.batched import BatchKV, layout_of
 from ..kv.cache import eval_cache, make_trimmable_cache
 from ..models.checkpoint import load_mtp_head
 from ..models.mtp import MTPHead
-from ..models.view import ModelView, join_states
+from ..models.view import ModelView, join_states, kept_states
 from ..monitor.memory import compute_dtype_bytes, kv_bytes_per_token as model_kv_bytes
 from ..progress import phase
 from .base import ChainGroup, ChainRow, pad_rows
@@ -78,9 +78,7 @@ class WaitingRow:
         self.blocks = blocks
 
     def add(self, rows: mx.array) -> None:
-        self.blocks.append(rows)
-        if len(self.blocks) > 16:  # each is a view holding its whole step's [B, W, H] alive
-            self.blocks = [join_states(self.blocks)]
+        self.blocks = kept_states(self.blocks, rows)
 
     def states(self) -> mx.array | None:
         return join_states(self.blocks) if self.blocks else None
@@ -96,7 +94,6 @@ class MTPGroup(ChainGroup):
         self.head = head
         self.view = view
         self.rows: dict[int, MTPRow] = {}
-        self.waiting: dict[int, WaitingRow] = {}
         self.state: mx.array | None = None  # the head's output state chained to the next step
 
     def join(self, key, committed, prompt_hidden, hidden_start=0) -> None:
@@ -104,23 +101,8 @@ class MTPGroup(ChainGroup):
         # (base.start_rows): a row whose speculation stays off, or that finishes first, never pays it.
         self.waiting[key] = WaitingRow(hidden_start, [] if prompt_hidden is None else [prompt_hidden])
 
-    @property
-    def keys(self) -> list[int]:
-        return [*self.row_keys, *self.waiting]
-
-    def leave(self, key: int) -> None:
-        self.waiting.pop(key, None)
-        super().leave(key)
-
-    def start_rows(self, rows: list[ChainRow]) -> None:
-        for row in rows:
-            if row.k and row.key in self.waiting:
-                waiting = self.waiting.pop(row.key)
-                self._join_now(row.key, row.committed, waiting.states(), waiting.start)
-
-    def propose(self, rows: list[ChainRow]):
-        self.start_rows(rows)  # done already when the speculator called it
-        return super().propose([row for row in rows if row.key not in self.waiting])
+    def _take_on(self, row: ChainRow, kept: WaitingRow) -> None:
+        self._join_now(row.key, row.committed, kept.states(), kept.start)
 
     def _join_now(self, key, committed, prompt_hidden, hidden_start=0) -> None:
         """Feed the states so far into a fresh row, all but the last: its logits make the
