@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 
 from macspec.speculative.acceptance import METHOD_MEMORY, Acceptance
-from macspec.speculative.policy import PlanRow, Policy
+from macspec.speculative.policy import Pace, PlanRow, Policy
 
 # Target forward ms by batch size, per window W = 1..5 (docs/benchmarks.md: "MoE targets: the
 # stand-in and its cost surface", 2026-11-24; SmolLM2 with its EAGLE-3 head, 2026-11-25), and
@@ -73,9 +73,11 @@ def run(table: str, rows: int, stream: Stream, k: int | None, steps: int = 400, 
     prior = Acceptance(memory=METHOD_MEMORY)
     estimates = [Acceptance(prior.alphas(1)[0]) for _ in range(rows)]
     states = [{} for _ in range(rows)]
+    paces = [Pace() for _ in range(rows)]
     spent, tokens = 0.0, 0
     for step in range(steps):
-        plan_rows = [PlanRow("sim", k_max, e.alphas(k_max), fixed=k is not None) for e in estimates]
+        plan_rows = [PlanRow("sim", k_max, e.alphas(k_max), fixed=k is not None, pace=pace)
+                     for e, pace in zip(estimates, paces)]
         if k is not None:
             ks = [k] * rows
         else:
@@ -83,7 +85,7 @@ def run(table: str, rows: int, stream: Stream, k: int | None, steps: int = 400, 
         window = max(ks) + 1
         seconds = (forward[size][window - 1] + (chain[size] * (window - 1))) / 1e3
         seconds *= 1.0 + rng.uniform(-noise, noise)
-        committed = 0
+        committed = []
         for i in range(rows):
             truth = stream.alphas(rng, step, steps, states[i])
             accepted = 0
@@ -92,11 +94,11 @@ def run(table: str, rows: int, stream: Stream, k: int | None, steps: int = 400, 
             if ks[i]:
                 estimates[i].observe(ks[i], accepted)
                 prior.observe(ks[i], accepted)
-            committed += accepted + 1
+            committed.append(accepted + 1)
         if k is None:
             policy.observe_step(plan_rows, ks, seconds, committed)
         spent += seconds
-        tokens += committed
+        tokens += sum(committed)
     return tokens / spent
 
 
@@ -105,4 +107,56 @@ def compare(table: str, rows: int, stream: Stream, seeds: int = 3, **kw) -> dict
     out = {}
     for name, k in [("plain", 0), ("k=1", 1), ("k=2", 2), ("k=3", 3), ("k=4", 4), ("adaptive", None)]:
         out[name] = sum(run(table, rows, stream, k, seed=s, **kw) for s in range(seeds)) / seeds
+    return out
+
+
+# The tiny target with its distilled draft, the whole step (chain included) in ms by batch size
+# per window, measured in-process on 2026-11-27 (a burst of 4 held-out prompts, 64 tokens).
+BURST_TABLE = {1: [8.5, 11.5, 14.5, 17.5, 20.5], 2: [9.3, 12.0, 15.2, 18.4, 21.6],
+               3: [9.4, 14.0, 17.5, 21.0, 24.5], 4: [10.0, 15.8, 21.5, 27.2, 33.0]}
+
+
+def burst(heads: list[str], tokens: int, k: int | None, seed: int = 0, k_max: int = 4,
+          noise: float = 0.1, rounds: int = 2) -> float:
+    """Closed bursts: one request per head, each decoding `tokens` tokens and leaving when done
+    (none replaces it), `rounds` bursts in a row on one policy (a warm server). -> the last
+    burst's tokens ÷ the time its last request finished, what a client burst measures: a request
+    that speculation slows is the burst's tail."""
+    rng = random.Random(seed)
+    policy = Policy(probe_min_steps=64, probe_max_steps=4096)
+    for rows, windows in BURST_TABLE.items():
+        policy.costs.seed("", rows, 1, windows[0] / 1e3)
+        for window in range(2, k_max + 2):
+            policy.costs.seed("sim", rows, window, windows[window - 1] / 1e3)
+    prior = Acceptance(memory=METHOD_MEMORY)
+    for _ in range(rounds):
+        live = [{"head": HEADS[h], "left": tokens, "estimate": Acceptance(prior.alphas(1)[0]),
+                 "pace": Pace()} for h in heads]
+        spent = 0.0
+        while live:
+            plan_rows = [PlanRow("sim", min(k_max, r["left"] - 1), r["estimate"].alphas(k_max),
+                                 fixed=k is not None, pace=r["pace"]) for r in live]
+            ks = [min(k, row.k_max) for row in plan_rows] if k is not None else policy.plan(plan_rows)
+            seconds = BURST_TABLE[len(live)][max(ks)] / 1e3 * (1.0 + rng.uniform(-noise, noise))
+            committed = []
+            for r, kk in zip(live, ks):
+                accepted = 0
+                while accepted < kk and rng.random() < r["head"][accepted]:
+                    accepted += 1
+                if kk:
+                    r["estimate"].observe(kk, accepted)
+                    prior.observe(kk, accepted)
+                committed.append(accepted + 1)
+                r["left"] -= accepted + 1
+            if k is None:
+                policy.observe_step(plan_rows, ks, seconds, committed)
+            spent += seconds
+            live = [r for r in live if r["left"] > 0]
+    return len(heads) * tokens / spent
+
+
+def compare_burst(heads: list[str], tokens: int = 64, seeds: int = 4) -> dict:
+    out = {}
+    for name, k in [("plain", 0), ("k=1", 1), ("k=2", 2), ("k=3", 3), ("k=4", 4), ("adaptive", None)]:
+        out[name] = sum(burst(heads, tokens, k, seed=s) for s in range(seeds)) / seeds
     return out

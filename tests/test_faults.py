@@ -25,7 +25,7 @@ from .serverutil import RunningServer, runtime_with
 def test_the_policy_plans_after_a_long_plain_run_and_survives_clock_glitches():
     policy = Policy()
     for seconds in [0.008] * 2000 + [float("nan"), float("inf"), -1.0]:
-        policy.observe_step([PlanRow("draft", 0, [])], [0], seconds, 1)
+        policy.observe_step([PlanRow("draft", 0, [])], [0], seconds, [1])
     rows = [PlanRow("draft", 4, [0.7] * 4)] * 3
     assert len(policy.plan(rows)) == 3  # no exception, one k per row
 

@@ -192,7 +192,7 @@ class Engine(BlockingAPI):
                      reports: dict[int, mx.array]) -> int:
         """Each row keeps its accepted drafts and the verdict's token; proposers and the KV
         roll back what was rejected. `read[i]`: row i's (accepted, token, window drafts...).
-        -> the tokens committed over all rows."""
+        -> the tokens each row committed."""
         accepted = {}
         for i, seq in enumerate(seqs):
             n, token, proposed = read[i][0], read[i][1], read[i][2:2 + ks[i]]
@@ -202,7 +202,7 @@ class Engine(BlockingAPI):
             self._commit(seq, new, window.logprob_entries(reports.get(i), n + 1, seq.request.logprobs))
         self.speculator.settle(accepted)
         self.runner.advance([accepted[seq.request.id] + 1 for seq in seqs])
-        return sum(accepted.values()) + len(seqs)
+        return [accepted[seq.request.id] + 1 for seq in seqs]
 
     def _sync(self, out: mx.array, *more) -> mx.array:
         """Evaluate (one host round trip), counted: the bench reports syncs per step."""

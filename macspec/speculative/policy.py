@@ -12,6 +12,12 @@ PROBE_STEPS speculative steps re-measures it after `interval` steps, the interva
 probes lose (profile: probe_min_steps .. probe_max_steps). A method the plan leaves idle for an
 interval is probed the same way, and a method is tried (probed) at a bucket before anything there
 can turn it off: nothing is off before it was measured.
+
+The same promise holds per request: each keeps its pace, its decode time against what plain
+decoding would have taken for its tokens. A window may slow a request only out of what
+speculation saved it before: one behind its pace by more than GUARD_MARGIN takes no window
+expected to slow it further (a row that does not draft pays the batch's window all the same;
+in a burst, the request that drafts worst was its tail).
 """
 
 from __future__ import annotations
@@ -40,6 +46,24 @@ class PlanRow:
     alphas: list[float]  # its expected acceptance per position for this step's offer
     chained: bool = True  # drafting runs its method's chain (a lookup's drafts do not)
     fixed: bool = False  # a fixed-k request: k = k_max whatever the plan
+    pace: Pace | None = None  # its request's pace (None: not kept)
+
+
+@dataclass
+class Pace:
+    """One request's decode steps: the seconds plain decoding would have taken for the tokens it
+    committed, and the seconds they took. A plain step is on pace (its noise is no one's loss)."""
+
+    plain_s: float = 0.0
+    spent_s: float = 0.0
+
+    @property
+    def behind(self) -> bool:
+        return self.spent_s > (1.0 + GUARD_MARGIN) * self.plain_s
+
+    def observe(self, tokens: float, seconds: float, plain_s: float, speculative: bool) -> None:
+        self.plain_s += tokens * plain_s
+        self.spent_s += seconds if speculative else tokens * plain_s
 
 
 @dataclass
@@ -94,8 +118,8 @@ class Policy:
         must = [m for m in free if guards[m].probe_left]
         allowed = [m for m in free if guards[m].allowed or guards[m].probe_left]
         ranked = []
-        # A probe drafts one token a row: the cheapest measurement (a deep first trial on an MoE
-        # target cost 4x a plain step and turned methods off that pay at k = 1).
+        # A probe runs the plan's best window of at least 2: one a request behind its pace
+        # would lose waits for that request to leave (the probe measures, it does not promise).
         for window in range(2 if must else 1, max(row.k_max for row in rows) + 2):
             for mask in range(1 << len(allowed)):
                 on = {m for j, m in enumerate(allowed) if mask >> j & 1}
@@ -103,6 +127,8 @@ class Policy:
                     continue
                 ks = [f if row.fixed else min(window - 1, row.k_max) if row.method in on else 0
                       for f, row in zip(fixed, rows)]
+                if window > 1 and self._slows_a_lagging_row(rows, ks):
+                    continue
                 ranked.append((self.expected_rate(rows, ks), -len(ranked), ks))
         ranked.sort(reverse=True)
         # Now and then, while drafting, the runner-up once: its cell and deeper drafts measured
@@ -116,6 +142,16 @@ class Policy:
     def expected_rate(self, rows: list[PlanRow], ks: list[int]) -> float:
         tokens = sum(expected_tokens(row.alphas, k) for row, k in zip(rows, ks))
         return tokens / self.costs.seconds(chain_of(rows, ks), len(rows), max(ks) + 1)
+
+    def _slows_a_lagging_row(self, rows: list[PlanRow], ks: list[int]) -> bool:
+        """Whether a request behind its pace expects fewer tokens from this step than plain
+        decoding would commit for it in the same seconds."""
+        lagging = [(row, k) for row, k in zip(rows, ks) if row.pace is not None and row.pace.behind]
+        if not lagging:
+            return False
+        plain_s = self.costs.seconds("", len(rows), 1)
+        step_s = self.costs.seconds(chain_of(rows, ks), len(rows), max(ks) + 1)
+        return any(expected_tokens(row.alphas, k) * plain_s < step_s for row, k in lagging)
 
     def _plain_due(self, rows: int) -> bool:
         since = self.costs.measured_since(rows)
@@ -132,13 +168,16 @@ class Policy:
                 guard.restart()
 
     # ---- a step's measurement ----------------------------------------------------------------
-    def observe_step(self, rows: list[PlanRow], ks: list[int], seconds: float, tokens: int) -> None:
-        """The step just run: `seconds` from plan to commit, `tokens` committed over all rows."""
+    def observe_step(self, rows: list[PlanRow], ks: list[int], seconds: float, tokens: list[int]) -> None:
+        """The step just run: `seconds` from plan to commit, `tokens` each row committed."""
         plain_s = self.costs.seconds("", len(rows), 1)
         self.costs.observe(chain_of(rows, ks), len(rows), max(ks, default=0) + 1, seconds)
+        for row, committed in zip(rows, tokens):
+            if row.pace is not None:
+                row.pace.observe(committed, seconds, plain_s, speculative=any(ks))
         for method in {row.method for row, k in zip(rows, ks) if k and not row.fixed}:
             guard = self.guard(method, len(rows))
-            guard.plain_s = guard.plain_s * DECAY + tokens / len(rows) * plain_s
+            guard.plain_s = guard.plain_s * DECAY + sum(tokens) / len(rows) * plain_s
             guard.spent_s = guard.spent_s * DECAY + seconds
             guard.steps += 1
             if guard.probe_left:

@@ -21,7 +21,7 @@ from ..faults import SpecFaults
 from ..sampling import RowContext
 from .acceptance import ALPHA_PRIOR, METHOD_MEMORY, Acceptance
 from .base import ChainRow, Drafts, Offer, ProposerGroup
-from .policy import PlanRow, Policy
+from .policy import Pace, PlanRow, Policy
 from .stats import SpecStats
 
 
@@ -36,6 +36,7 @@ class Record:
     acceptance: dict[str, Acceptance]  # by draft kind (base.Offer.kind)
     starts: dict[str, float]  # where a kind's first-position estimate starts on it
     stats: SpecStats = field(default_factory=SpecStats)
+    pace: Pace = field(default_factory=Pace)  # its decode time against plain decoding's
     offer: Offer | None = None  # its proposer's offer for this step
     k: int = 0  # drafts verified in the last step
 
@@ -114,10 +115,10 @@ class Speculator:
             row = ChainRow(seq.request.id, seq.context(), k, seq.rng)
             record.offer = self.guarded("propose", record.group.offer, row, record.alphas, drop=seq)
         if record.offer is None:
-            return PlanRow(record.method, 0, [], fixed=not record.adaptive)
+            return PlanRow(record.method, 0, [], fixed=not record.adaptive, pace=record.pace)
         k = min(k, record.offer.k_max)
         return PlanRow(record.method, k, record.offer.alphas(record.alphas(record.offer.kind)),
-                       record.offer.chained, fixed=not record.adaptive)
+                       record.offer.chained, fixed=not record.adaptive, pace=record.pace)
 
     def propose(self, seqs: list, ks: list[int]) -> list[Drafts | None]:
         """Each group drafts for all of its rows; a fault costs that group's rows their drafts."""
@@ -165,8 +166,8 @@ class Speculator:
         for method, group in list(self.groups.items()):
             self.guarded("proposer_observe", group.settle, accepted, drop=method)
 
-    def observe_step(self, ks: list[int], seconds: float, tokens: int) -> None:
-        """The step just run (plan to commit) and the tokens it committed, for the policy: less
+    def observe_step(self, ks: list[int], seconds: float, tokens: list[int]) -> None:
+        """The step just run (plan to commit) and the tokens each row committed, for the policy: less
         the rows' first-proposal prefills (a request's cost, not a step's: counted in the step,
         one draft-model prefill priced every probe of a new request as a loss)."""
         spent, self.start_s = seconds - self.start_s, 0.0
