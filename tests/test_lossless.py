@@ -257,3 +257,17 @@ def test_a_head_runs_only_for_rows_that_draft(runtime_for, prompts, monkeypatch,
     assert idle.tokens == plain and calls == []
     drafting = engine.generate([prompts[5]], PLAIN, 24, method=method, num_draft=3, adaptive=False)[0]
     assert drafting.tokens == plain and calls and drafting.stats["spec"]["accepted"] > 0
+
+
+def test_the_next_turn_of_a_conversation_reuses_the_drafts_kv(runtime_for, prompts):
+    """A draft model keeps the KV of rows that left by their tokens: the next turn (the prompt,
+    its answer and a new message) prefills only the new tokens in the draft, and its output
+    still equals plain decoding's."""
+    engine = Engine(runtime_for("draft"), max_batch=4)
+    first = engine.generate([prompts[6]], PLAIN, 24, method="draft", num_draft=2, adaptive=False)[0]
+    turn = prompts[6] + first.tokens + prompts[7][:12]
+    plain = engine.generate([turn], PLAIN, 24, method="none")[0].tokens
+    again = engine.generate([turn], PLAIN, 24, method="draft", num_draft=2, adaptive=False)[0]
+    kept = engine.status()["proposers"]["draft"]["kept_prefixes"]
+    assert again.tokens == plain and again.stats["spec"]["accepted"] > 0
+    assert kept["hits"] == 1 and kept["reused_tokens"] > len(prompts[6]), kept

@@ -141,6 +141,8 @@ class Sequence:
         out = self.stats.as_dict()
         out["cached_prompt_tokens"] = self.reused_prefix
         out["spec"]["acceptance_estimate"] = self.spec.as_dict()["acceptance"]
+        speedup = self.spec.pace.speedup  # its decoding against plain decoding's, estimated
+        out["spec"]["speedup_vs_plain"] = round(speedup, 3) if speedup else None
         return out
 
 

@@ -123,6 +123,10 @@ class ProposerGroup(ABC):
         """Arrays to evaluate with the step (the proposer's own caches)."""
         return []
 
+    def status(self) -> dict:
+        """What /v1/status shows of it (nothing by default)."""
+        return {}
+
 
 class ChainGroup(ProposerGroup):
     """A model proposer over a batched KV: step 0 feeds each row what it has not seen yet,

@@ -1,5 +1,8 @@
 """A smaller model with the target's tokenizer proposes by decoding k tokens ahead, for every
-row of its method in one forward per chain step."""
+row of its method in one forward per chain step. The draft's KV of rows that left is kept by
+their tokens, as the target's prefix cache keeps the target's: a request whose prompt starts
+with an earlier one's tokens (the next turn of a conversation, a shared system prompt) prefills
+only the rest in the draft too."""
 
 from __future__ import annotations
 
@@ -10,7 +13,8 @@ import logging
 
 from ..errors import IncompatibleDraftError, MacspecError
 from ..kv.batched import BatchKV, layout_of
-from ..kv.cache import eval_cache, make_trimmable_cache
+from ..kv.cache import eval_cache, leaves, make_trimmable_cache
+from ..kv.prefix import PrefixCache
 from ..models.compat import check_draft_compatible
 from ..models.loader import load_model
 from ..monitor.memory import compute_dtype_bytes, kv_bytes_per_token as model_kv_bytes
@@ -43,7 +47,11 @@ def load(runtime, method: str, fallback: bool = True) -> None:
 
 
 def make_group(runtime, method: str, vocab_size: int) -> "DraftGroup":
-    return DraftGroup(runtime.draft.model, vocab_size, runtime.profile.kv.prefill_chunk)
+    # The draft keeps as many tokens' KV as the target's prefix cache can (its bytes per token
+    # are the draft's share of the target's).
+    target = model_kv_bytes(runtime.target.config, compute_dtype_bytes(runtime.target.model))
+    kept_bytes = runtime.profile.kv.prefix_cache_mb * 2**20 * kv_bytes_per_token(runtime, method) // max(target, 1)
+    return DraftGroup(runtime.draft.model, vocab_size, runtime.profile.kv.prefill_chunk, kept_bytes)
 
 
 def kv_bytes_per_token(runtime, method: str) -> int:
@@ -54,11 +62,14 @@ def kv_bytes_per_token(runtime, method: str) -> int:
 class DraftGroup(ChainGroup):
     method = "draft"
 
-    def __init__(self, model: nn.Module, vocab_size: int, prefill_chunk: int = 512):
+    def __init__(self, model: nn.Module, vocab_size: int, prefill_chunk: int = 512, kept_bytes: int = 0):
         super().__init__(BatchKV(layout_of(make_trimmable_cache(model))), vocab_size)
         self.model = model
         self.prefill_chunk = prefill_chunk
         self.fed: dict[int, int] = {}  # row -> committed tokens its KV holds
+        self.tokens: dict[int, list[int]] = {}  # row -> its request's committed tokens
+        self.kept = PrefixCache(kept_bytes)  # which left rows' draft KV is kept, by their tokens
+        self.kept_kv: dict[int, list[tuple[mx.array, ...]]] = {}  # kept entry -> its KV
 
     def join(self, key, committed, prompt_hidden, hidden_start=0) -> None:
         # The draft's own prefill waits for the row's first proposal: a row whose speculation
@@ -68,14 +79,33 @@ class DraftGroup(ChainGroup):
     def _take_on(self, row: ChainRow, kept) -> None:
         key, prompt = row.key, row.committed[:-1]  # the last committed token is fed by the proposal
         cache = make_trimmable_cache(self.model)
-        for start in range(0, len(prompt), self.prefill_chunk):
+        reused, entry = self.kept.lookup(row.committed)  # at most len(prompt) tokens
+        if entry is not None:
+            for layer_cache, arrays in zip(leaves(cache), self.kept_kv[entry]):
+                layer_cache.update_and_fetch(*(a[:, :, :reused] for a in arrays))
+        for start in range(reused, len(prompt), self.prefill_chunk):
             self.model(mx.array(prompt[start:start + self.prefill_chunk])[None], cache=cache)
             eval_cache(cache)
         self._add(key, cache, len(prompt))
         self.fed[key] = len(prompt)
+        self.tokens[key] = row.committed
+
+    def leave(self, key: int) -> None:
+        if key in self.row_keys and self.kept.max_bytes:
+            index, fed = self.row_keys.index(key), self.fed[key]
+            entry, dropped = self.kept.store(self.tokens[key][:fed], self.kv.row_nbytes(fed))
+            for old in dropped:
+                self.kept_kv.pop(old, None)
+            if entry is not None:
+                self.kept_kv[entry] = self.kv.export_row(index, fed)
+        super().leave(key)
 
     def _forget(self, key: int) -> None:
         self.fed.pop(key, None)
+        self.tokens.pop(key, None)
+
+    def status(self) -> dict:
+        return {"kept_prefixes": self.kept.as_dict()}
 
     def _first_logits(self, rows: list[ChainRow]) -> mx.array:
         pending = [row.committed[self.fed[row.key]:] for row in rows]

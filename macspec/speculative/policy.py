@@ -61,6 +61,10 @@ class Pace:
     def behind(self) -> bool:
         return self.spent_s > (1.0 + GUARD_MARGIN) * self.plain_s
 
+    @property
+    def speedup(self) -> float | None:
+        return self.plain_s / self.spent_s if self.spent_s > 0 else None
+
     def observe(self, tokens: float, seconds: float, plain_s: float, speculative: bool) -> None:
         self.plain_s += tokens * plain_s
         self.spent_s += seconds if speculative else tokens * plain_s
@@ -170,10 +174,10 @@ class Policy:
     # ---- a step's measurement ----------------------------------------------------------------
     def observe_step(self, rows: list[PlanRow], ks: list[int], seconds: float, tokens: list[int]) -> None:
         """The step just run: `seconds` from plan to commit, `tokens` each row committed."""
-        plain_s = self.costs.seconds("", len(rows), 1)
         self.costs.observe(chain_of(rows, ks), len(rows), max(ks, default=0) + 1, seconds)
+        plain_s = self.costs.seconds("", len(rows), 1)
         for row, committed in zip(rows, tokens):
-            if row.pace is not None:
+            if row.pace is not None and self.costs.knows(""):  # else nothing to compare with
                 row.pace.observe(committed, seconds, plain_s, speculative=any(ks))
         for method in {row.method for row, k in zip(rows, ks) if k and not row.fixed}:
             guard = self.guard(method, len(rows))

@@ -264,6 +264,7 @@ class Speculator:
             "speculation_faults": self.faults.as_dict(),
             "acceptance_priors": acceptance,
             "policy": self.policy.as_dict(),
+            "proposers": {m: st for m, g in self.groups.items() if (st := g.status())},
         }
 
 
