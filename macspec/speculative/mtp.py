@@ -22,9 +22,6 @@ from .base import ChainGroup, ChainRow, pad_rows
 # Hidden rows buffered per row while its group does not draft. A probe makes every row of the
 # group catch up at once, padded to the longest backlog, and on an MoE head each fed state reads
 # experts: a row idle longer feeds only its last 16 (RoPE is relative; the head's KV has a gap).
-# A row's first proposal feeds the same last 16 of its context: the head's prefill over a whole
-# prompt cost tiny-moe's 16 rows 854 ms a burst, its acceptance the same (0.722 both; SmolLM2's
-# MTP head 0.229 -> 0.219, its EAGLE-3 head 0.263 -> 0.261, 96-token prompts).
 MAX_PENDING_ROWS = 16
 
 
@@ -111,11 +108,8 @@ class MTPGroup(ChainGroup):
         """Feed the states so far into a fresh row, all but the last: its logits make the
         first proposal, together with whatever the next decode step adds."""
         cache = self.layout_cache()
-        prompt_hidden = self._own_states(prompt_hidden)
-        if prompt_hidden is not None and prompt_hidden.shape[0] > MAX_PENDING_ROWS + 1:
-            cut = prompt_hidden.shape[0] - MAX_PENDING_ROWS - 1  # the last 16 fed, one pending
-            prompt_hidden, hidden_start = prompt_hidden[cut:], hidden_start + cut
         row = MTPRow(hidden_start)
+        prompt_hidden = self._own_states(prompt_hidden)
         count = 0 if prompt_hidden is None else prompt_hidden.shape[0]
         if count > 1:
             hidden = prompt_hidden[:-1].astype(self._dtype)
