@@ -85,16 +85,8 @@ def run(table: str, rows: int, stream: Stream, k: int | None, steps: int = 400, 
         window = max(ks) + 1
         seconds = (forward[size][window - 1] + (chain[size] * (window - 1))) / 1e3
         seconds *= 1.0 + rng.uniform(-noise, noise)
-        committed = []
-        for i in range(rows):
-            truth = stream.alphas(rng, step, steps, states[i])
-            accepted = 0
-            while accepted < ks[i] and rng.random() < truth[accepted]:
-                accepted += 1
-            if ks[i]:
-                estimates[i].observe(ks[i], accepted)
-                prior.observe(ks[i], accepted)
-            committed.append(accepted + 1)
+        committed = [_verify(rng, stream.alphas(rng, step, steps, states[i]), ks[i], estimates[i], prior)
+                     for i in range(rows)]
         if k is None:
             policy.observe_step(plan_rows, ks, seconds, committed)
         spent += seconds
@@ -102,12 +94,25 @@ def run(table: str, rows: int, stream: Stream, k: int | None, steps: int = 400, 
     return tokens / spent
 
 
+def _verify(rng: random.Random, truth, k: int, estimate: Acceptance, prior: Acceptance) -> int:
+    """One row's step: its k drafts accepted as `truth` says, observed by its estimate and the
+    prior -> the tokens it commits."""
+    accepted = 0
+    while accepted < k and rng.random() < truth[accepted]:
+        accepted += 1
+    if k:
+        estimate.observe(k, accepted)
+        prior.observe(k, accepted)
+    return accepted + 1
+
+
+CONFIGS = [("plain", 0), ("k=1", 1), ("k=2", 2), ("k=3", 3), ("k=4", 4), ("adaptive", None)]
+
+
 def compare(table: str, rows: int, stream: Stream, seeds: int = 3, **kw) -> dict:
     """Mean tokens per second over `seeds` seeded runs: plain, each fixed k and the policy."""
-    out = {}
-    for name, k in [("plain", 0), ("k=1", 1), ("k=2", 2), ("k=3", 3), ("k=4", 4), ("adaptive", None)]:
-        out[name] = sum(run(table, rows, stream, k, seed=s, **kw) for s in range(seeds)) / seeds
-    return out
+    return {name: sum(run(table, rows, stream, k, seed=s, **kw) for s in range(seeds)) / seeds
+            for name, k in CONFIGS}
 
 
 # The tiny target with its distilled draft, the whole step (chain included) in ms by batch size
@@ -138,16 +143,9 @@ def burst(heads: list[str], tokens: int, k: int | None, seed: int = 0, k_max: in
                                  fixed=k is not None, pace=r["pace"]) for r in live]
             ks = [min(k, row.k_max) for row in plan_rows] if k is not None else policy.plan(plan_rows)
             seconds = BURST_TABLE[len(live)][max(ks)] / 1e3 * (1.0 + rng.uniform(-noise, noise))
-            committed = []
-            for r, kk in zip(live, ks):
-                accepted = 0
-                while accepted < kk and rng.random() < r["head"][accepted]:
-                    accepted += 1
-                if kk:
-                    r["estimate"].observe(kk, accepted)
-                    prior.observe(kk, accepted)
-                committed.append(accepted + 1)
-                r["left"] -= accepted + 1
+            committed = [_verify(rng, r["head"], kk, r["estimate"], prior) for r, kk in zip(live, ks)]
+            for r, n in zip(live, committed):
+                r["left"] -= n
             if k is None:
                 policy.observe_step(plan_rows, ks, seconds, committed)
             spent += seconds
@@ -156,7 +154,5 @@ def burst(heads: list[str], tokens: int, k: int | None, seed: int = 0, k_max: in
 
 
 def compare_burst(heads: list[str], tokens: int = 64, seeds: int = 4) -> dict:
-    out = {}
-    for name, k in [("plain", 0), ("k=1", 1), ("k=2", 2), ("k=3", 3), ("k=4", 4), ("adaptive", None)]:
-        out[name] = sum(burst(heads, tokens, k, seed=s) for s in range(seeds)) / seeds
-    return out
+    return {name: sum(burst(heads, tokens, k, seed=s) for s in range(seeds)) / seeds
+            for name, k in CONFIGS}

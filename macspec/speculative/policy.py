@@ -176,9 +176,10 @@ class Policy:
         """The step just run: `seconds` from plan to commit, `tokens` each row committed."""
         self.costs.observe(chain_of(rows, ks), len(rows), max(ks, default=0) + 1, seconds)
         plain_s = self.costs.seconds("", len(rows), 1)
-        for row, committed in zip(rows, tokens):
-            if row.pace is not None and self.costs.knows(""):  # else nothing to compare with
-                row.pace.observe(committed, seconds, plain_s, speculative=any(ks))
+        if self.costs.knows(""):  # else nothing to compare a request's steps with
+            for row, committed in zip(rows, tokens):
+                if row.pace is not None:
+                    row.pace.observe(committed, seconds, plain_s, speculative=any(ks))
         for method in {row.method for row, k in zip(rows, ks) if k and not row.fixed}:
             guard = self.guard(method, len(rows))
             guard.plain_s = guard.plain_s * DECAY + sum(tokens) / len(rows) * plain_s
