@@ -13,8 +13,10 @@ until --budget-s runs out:
             tiny-wide, tiny-moe and a widened dense target (--big-hidden)
   surface   the verify cost surface: forward time for B rows x W positions ÷ W = 1, dense vs MoE
             (MoE: the engine's expert union vs mlx-lm's path, bfloat16 and 4-bit experts)
+  prefill   a prompt's prefill (tiny-wide) through the unfused attention vs MLX's kernel (cuDNN on
+            CUDA: one graph per new shape), for prompt lengths seen for the first time and again
   serve     benchmarks/serve.py through `macspec serve`: spec on ÷ off at c = 1, 4, 16 on tiny-wide
-            and tiny-moe (draft and MTP)
+            and tiny-moe (draft and MTP), and on tiny (DFlash, EAGLE-3, MTP)
 
     python benchmarks/gpu.py --out DIR [--phases env,lossless,decode,surface,serve] [--budget-s 480]
         [--smoke]   (tiny sizes: checks the script on a CPU in a few minutes)
@@ -40,9 +42,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PHASES = ("env", "lossless", "decode", "surface", "serve")
-NEEDS_S = {"env": 20, "lossless": 60, "decode": 60, "surface": 40, "serve": 90}  # least worth starting
-CAP_S = {"env": 90, "lossless": 150, "decode": 170, "surface": 110}  # so no phase starves the rest
+PHASES = ("env", "lossless", "decode", "surface", "prefill", "serve")
+NEEDS_S = {"env": 20, "lossless": 60, "decode": 60, "surface": 40, "prefill": 20, "serve": 90}  # least worth starting
+CAP_S = {"env": 90, "lossless": 150, "decode": 170, "surface": 110, "prefill": 90, "serve": 330}  # no phase starves the rest
 NOMINAL_TBPS = {"H200": 4.8, "H100 80GB HBM3": 3.35, "H100 PCIe": 2.0, "H100 NVL": 3.9, "A100": 2.0}
 MAX_TOKENS = 40
 
@@ -269,11 +271,50 @@ def phase_surface(args) -> dict:
     return out
 
 
+# ---- prefill --------------------------------------------------------------------------------
+def phase_prefill(args) -> dict:
+    import contextlib
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from benchmarks.cost_surface import text_rows
+    from macspec.models import window_attention
+
+    runtime = runtime_for("tiny-wide")
+    model = runtime.target.model
+    lengths = [97, 203, 301] if args.smoke else [97, 131, 173, 211, 257, 301, 349, 397, 449, 503]
+    long = 600 if args.smoke else 2000
+    text = text_rows(runtime.tokenizer, 1, long)[0]
+
+    def prefill(n: int) -> float:
+        cache = make_prompt_cache(model)
+        t0 = time.perf_counter()
+        for start in range(0, n, 512):
+            logits = model(text[None, start:min(n, start + 512)], cache=cache)
+            mx.eval(logits, [c.state for c in cache])
+        return (time.perf_counter() - t0) * 1e3
+
+    out = {"model": "tiny-wide", "dtype": gpu_dtype(), "lengths": lengths, "long": long, "paths": {}}
+    for path, context in (("unfused", contextlib.nullcontext), ("mlx kernel", window_attention.mlx_only)):
+        with context():
+            prefill(64), prefill(65)  # kernels compiled once per dtype and op, not per shape
+            row = {}
+            for label in ("first", "again"):
+                times = [prefill(n) for n in lengths]
+                row[label] = {"mean_ms": round(statistics.mean(times), 2), "max_ms": round(max(times), 2)}
+                row[f"long {label}_ms"] = round(prefill(long), 2)
+        out["paths"][path] = row
+        print(path, row, flush=True)
+        save(args, "prefill", out)
+    return out
+
+
 # ---- serve ----------------------------------------------------------------------------------
 def phase_serve(args) -> dict:
     out = {}
     levels = "1,4" if args.smoke else "1,4,16"
-    runs = [("tiny-wide", "--fixed-k", "1,2,3"), ("tiny-moe", "--methods", "mtp")]
+    runs = [("tiny-wide", "--fixed-k", "1,2,3"), ("tiny-moe", "--methods", "mtp"), ("tiny", "--methods", "dflash,eagle3,mtp")]
     for target, flag, value in runs[:1] if args.smoke else runs:
         json_out = args.work / f"serve-{target}.json"
         cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--target", target, "--no-mlx-lm",
@@ -339,6 +380,16 @@ def render(report: dict) -> str:
                 if one:
                     lines.append(f"| {name} | {b} | {one * 1e3:.2f} | " + " | ".join(
                         f"{cells[f'{b}x{w}'] / one:.2f}" if f"{b}x{w}" in cells else "" for w in windows[1:]) + " |")
+        lines.append("")
+    pre = report["phases"].get("prefill", {})
+    if pre.get("paths"):
+        lines += [f"## Prefill, {pre['model']} {pre['dtype']}: ms per prompt ({len(pre['lengths'])} lengths "
+                  f"{pre['lengths'][0]}-{pre['lengths'][-1]} tokens; one of {pre['long']} tokens in 512-token chunks)", "",
+                  "| attention | first time: mean ms | max | again: mean ms | max | long, first | long, again |",
+                  "|---|---|---|---|---|---|---|"]
+        for path, r in pre["paths"].items():
+            lines.append(f"| {path} | {r['first']['mean_ms']} | {r['first']['max_ms']} | {r['again']['mean_ms']} | "
+                         f"{r['again']['max_ms']} | {r['long first_ms']} | {r['long again_ms']} |")
         lines.append("")
     for target, table in report["phases"].get("serve", {}).items():
         if not isinstance(table, dict) or "macspec spec off" not in table:

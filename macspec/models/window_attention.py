@@ -1,14 +1,15 @@
-"""Verification windows' attention on MLX's CUDA backend: two matmuls and a softmax.
+"""Attention of 2 or more queries on MLX's CUDA backend: two matmuls and a softmax.
 
 MLX's CUDA `scaled_dot_product_attention` runs one query through its own vector kernel, but 2 or
 more queries through a cuDNN graph built for that exact (batch, queries, keys) shape. Building
-one took ~55 ms on an H200 (then ~0.1 ms once cached), and a verify window meets a new key
-length on every step: fixed k = 1 served 17 tok/s against 536 plain on tiny-wide (docs/
-benchmarks.md, "On an NVIDIA GPU"). The same window unfused took 0.12-0.17 ms for any shape.
+one took ~55 ms on an H200 (then ~0.1 ms once cached). A verify window meets a new key length on
+every step (fixed k = 1 served 17 tok/s against 536 plain on tiny-wide), and so does nearly every
+prompt's prefill (docs/benchmarks.md, "On an NVIDIA GPU"). The same blocks unfused took
+0.12-0.17 ms for any shape.
 
-So on CUDA, blocks of 2..MAX_QUERIES queries (verify windows, short prompts' tails) attend here,
-unless their scores would exceed MAX_SCORES elements; one query and prefill chunks keep MLX's
-kernels. Metal's kernels are compiled ahead for every shape: they keep MLX's path, as the CPU.
+So on CUDA every block of 2 or more queries (verify windows, prefill chunks) attends here unless
+its scores would exceed MAX_SCORES elements; one query keeps MLX's vector kernel. Metal's kernels
+are compiled ahead for every shape: they keep MLX's path, as the CPU does.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import mlx.core as mx
 
 from .switch import Switch, on_cuda, route_model_modules
 
-MAX_QUERIES = 32  # a verify window is the draft length + 1; longer blocks are prefill chunks
 MAX_SCORES = 1 << 27  # B·H·queries·keys float32 scores (512 MB) past which MLX's kernel runs
 PATCHED = "_macspec_window_attention"
 _switch = Switch()
@@ -27,7 +27,7 @@ _force = Switch(on=False)  # tests: engage on any device (the CPU has no CUDA to
 
 def _engages(queries: mx.array, keys: mx.array, cache, mask, sinks) -> bool:
     batch, heads, length, _ = queries.shape
-    return (_switch.on and (_force.on or on_cuda()) and 2 <= length <= MAX_QUERIES and sinks is None
+    return (_switch.on and (_force.on or on_cuda()) and length >= 2 and sinks is None
             and not hasattr(cache, "bits") and batch * heads * length * keys.shape[2] <= MAX_SCORES
             and (mask is None or isinstance(mask, mx.array) or mask == "causal"))
 
