@@ -315,10 +315,11 @@ def phase_serve(args) -> dict:
     out = {}
     levels = "1,4" if args.smoke else "1,4,16"
     runs = [("tiny-wide", "--fixed-k", "1,2,3"), ("tiny-moe", "--methods", "mtp"), ("tiny", "--methods", "dflash,eagle3,mtp")]
-    for target, flag, value in runs[:1] if args.smoke else runs:
+    chosen = [r for r in runs if r[0] in args.serve_targets.split(",")] if args.serve_targets else runs
+    for target, flag, value in chosen[:1] if args.smoke else chosen:
         json_out = args.work / f"serve-{target}.json"
         cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--target", target, "--no-mlx-lm",
-               "--dtype", gpu_dtype(), "--concurrency", levels, "--repeats", "1", "--rounds", "1",
+               "--dtype", gpu_dtype(), "--concurrency", levels, "--repeats", str(args.serve_repeats), "--rounds", "1",
                "--max-tokens", "32" if args.smoke else "64", flag, value, "--json-out", str(json_out)]
         print(" ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, check=False)
@@ -423,7 +424,8 @@ def run_phases(args) -> None:
             continue
         left = min(left, CAP_S.get(phase, left) * (4 if args.smoke else 1))
         cmd = [sys.executable, str(Path(__file__).resolve()), "--phase", phase, "--out", str(out),
-               "--work", str(args.work), "--big-hidden", str(args.big_hidden)] + (["--smoke"] if args.smoke else [])
+               "--work", str(args.work), "--big-hidden", str(args.big_hidden),
+               "--serve-targets", args.serve_targets, "--serve-repeats", str(args.serve_repeats)] + (["--smoke"] if args.smoke else [])
         t0 = time.perf_counter()
         with log.open("a") as sink:
             sink.write(f"\n==== {phase} ====\n")
@@ -452,6 +454,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=480)
     ap.add_argument("--big-hidden", type=int, default=4096, help="the widened dense target for decode")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--serve-targets", default="", help="serve only these, e.g. tiny,tiny-moe")
+    ap.add_argument("--serve-repeats", type=int, default=1)
     ap.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)  # one phase, in this process
     ap.add_argument("--work", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -36,7 +36,8 @@ def test_unfused_equals_mlx_kernel(mask_kind, length):
 
 
 @pytest.mark.slow
-def test_speculative_greedy_equals_plain_on_the_unfused_path(runtime_for, prompts, monkeypatch):
+@pytest.mark.parametrize("method", ["draft", "dflash"])  # dflash: macspec's own drafter calls MLX directly
+def test_speculative_greedy_equals_plain_on_the_unfused_path(runtime_for, prompts, monkeypatch, method):
     windows = []
     attend = window_attention.attend
     monkeypatch.setattr(window_attention, "attend", lambda q, *a: windows.append(q.shape[2]) or attend(q, *a))
@@ -45,7 +46,7 @@ def test_speculative_greedy_equals_plain_on_the_unfused_path(runtime_for, prompt
     for prompt in prompts[:4]:
         with window_attention.mlx_only():
             plain, _ = generate(runtime, prompt, 24, SamplingParams(), k=0)
-        spec, _ = generate(runtime, prompt, 24, SamplingParams(), k=3)
+        spec, _ = generate(runtime, prompt, 24, SamplingParams(), k=3, method=method)
         assert spec == plain
     assert 4 in windows  # the verify windows went through the unfused path
     assert max(windows) > 4  # and so did the prompts' prefill

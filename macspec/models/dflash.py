@@ -26,6 +26,7 @@ import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..errors import ModelLoadError
+from .window_attention import fast_attention
 
 CONFIG_FILE = "config.json"
 
@@ -121,7 +122,7 @@ class Attention(nn.Module):
         queries = self.q_norm(self.q_proj(x).reshape(batch, length, self.heads, -1)).transpose(0, 2, 1, 3)
         queries = self.rope(queries, offset=positions)
         keys, values = cache.update_and_fetch(*self.keys_values(x, positions))
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        out = fast_attention(queries, keys, values, self.scale, mask)  # CUDA: no cuDNN graph per shape
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
 

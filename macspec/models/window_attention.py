@@ -61,6 +61,14 @@ def _by_group(mask: mx.array, kv_heads: int, group: int) -> mx.array:
     return mask.reshape(mask.shape[0], kv_heads, group, *mask.shape[2:])
 
 
+def fast_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
+    """`mx.fast.scaled_dot_product_attention` for macspec's own models (the DFlash drafter's
+    block), routed as mlx-lm's is."""
+    if _engages(queries, keys, None, mask, None):
+        return attend(queries, keys, values, scale, mask)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
 def routed(original):
     """mlx-lm's `scaled_dot_product_attention(q, k, v, cache, scale, mask, sinks=None)`."""
 
