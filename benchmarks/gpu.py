@@ -15,6 +15,8 @@ until --budget-s runs out:
             (MoE: the engine's expert union vs mlx-lm's path, bfloat16 and 4-bit experts)
   prefill   a prompt's prefill (tiny-wide) through the unfused attention vs MLX's kernel (cuDNN on
             CUDA: one graph per new shape), for prompt lengths seen for the first time and again
+  overhead  in-process on tiny, batch 1 and 16: tok/s of each proposer at fixed k = 0 (its
+            bookkeeping alone), k = 1 and adaptive ÷ plain, and where the host's time goes (cProfile)
   serve     benchmarks/serve.py through `macspec serve`: spec on ÷ off at c = 1, 4, 16 on tiny-wide
             and tiny-moe (draft and MTP), and on tiny (DFlash, EAGLE-3, MTP)
 
@@ -42,9 +44,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PHASES = ("env", "lossless", "decode", "surface", "prefill", "serve")
-NEEDS_S = {"env": 20, "lossless": 60, "decode": 60, "surface": 40, "prefill": 20, "serve": 90}  # least worth starting
-CAP_S = {"env": 90, "lossless": 150, "decode": 170, "surface": 110, "prefill": 90, "serve": 330}  # no phase starves the rest
+PHASES = ("env", "lossless", "decode", "surface", "prefill", "overhead", "serve")
+NEEDS_S = {"env": 20, "lossless": 60, "decode": 60, "surface": 40, "prefill": 20, "overhead": 30,
+           "serve": 90}  # least worth starting
+CAP_S = {"env": 90, "lossless": 150, "decode": 170, "surface": 110, "prefill": 90, "overhead": 150,
+         "serve": 330}  # no phase starves the rest
 NOMINAL_TBPS = {"H200": 4.8, "H100 80GB HBM3": 3.35, "H100 PCIe": 2.0, "H100 NVL": 3.9, "A100": 2.0}
 MAX_TOKENS = 40
 
@@ -310,6 +314,54 @@ def phase_prefill(args) -> dict:
     return out
 
 
+# ---- overhead -------------------------------------------------------------------------------
+def phase_overhead(args) -> dict:
+    import cProfile
+    import io
+    import pstats
+
+    from benchmarks.common import bench_prompts
+    from macspec.engine.launch import calibrated_engine
+    from macspec.sampling import SamplingParams
+
+    runtime = runtime_for("tiny")
+    engine = calibrated_engine(runtime, max_batch=16)
+    prompts = bench_prompts(runtime.tokenizer, 16, length=48)
+    tokens = 24 if args.smoke else 64
+    configs = [("plain", "none", 0, False)]
+    for method in ("draft", "mtp", "eagle3", "dflash"):
+        configs += [(f"{method} k=0", method, 0, False), (f"{method} k=1", method, 1, False),
+                    (f"{method} adaptive", method, None, True)]
+    configs.append(("plain again", "none", 0, False))
+
+    def run(batch: int, method, k, adaptive) -> float:
+        """tok/s over 16 prompts, `batch` at a time, every answer `tokens` long."""
+        t0, made = time.perf_counter(), 0
+        for start in range(0, len(prompts), batch):
+            done = engine.generate(prompts[start:start + batch], SamplingParams(), tokens, num_draft=k,
+                                   adaptive=adaptive, ignore_eos=True, method=method)
+            made += sum(len(d.tokens) for d in done)
+        return made / (time.perf_counter() - t0)
+
+    out = {"tokens": tokens, "rows": {}, "profiles": {}}
+    for batch in (1, 16):
+        for label, method, k, adaptive in configs:
+            run(batch, method, k, adaptive)  # the first pass learns costs and builds kernels
+            out["rows"].setdefault(label, {})[f"B={batch}"] = round(run(batch, method, k, adaptive), 1)
+            print(batch, label, out["rows"][label][f"B={batch}"], flush=True)
+            save(args, "overhead", out)
+    for label, method, k in (("plain", "none", 0), ("mtp k=0", "mtp", 0), ("mtp k=1", "mtp", 1)):
+        profile = cProfile.Profile()
+        profile.enable()
+        run(16, method, k, False)
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
+        out["profiles"][label] = text.getvalue()[-6000:]
+        save(args, "overhead", out)
+    return out
+
+
 # ---- serve ----------------------------------------------------------------------------------
 def phase_serve(args) -> dict:
     out = {}
@@ -391,6 +443,14 @@ def render(report: dict) -> str:
         for path, r in pre["paths"].items():
             lines.append(f"| {path} | {r['first']['mean_ms']} | {r['first']['max_ms']} | {r['again']['mean_ms']} | "
                          f"{r['again']['max_ms']} | {r['long first_ms']} | {r['long again_ms']} |")
+        lines.append("")
+    over = report["phases"].get("overhead", {})
+    if over.get("rows"):
+        plain = over["rows"]["plain"]
+        lines += [f"## In-process on tiny: tok/s ÷ plain ({over['tokens']} tokens, 16 prompts, B at a time)", "",
+                  "| config | " + " | ".join(plain) + " |", "|---|" + "---|" * len(plain)]
+        for label, row in over["rows"].items():
+            lines.append(f"| {label} | " + " | ".join(f"{row[b]} ({row[b] / plain[b]:.2f}x)" for b in plain if b in row) + " |")
         lines.append("")
     for target, table in report["phases"].get("serve", {}).items():
         if not isinstance(table, dict) or "macspec spec off" not in table:
