@@ -68,3 +68,48 @@ def test_greedy_speculation_equals_plain_batched(moe_cache, method):
     spec = engine.generate(prompts, SamplingParams(), 32, num_draft=3, adaptive=False)
     assert [c.tokens for c in spec] == [c.tokens for c in plain]
     assert sum(c.stats["spec"]["accepted"] for c in spec) > 0, [c.stats["spec"] for c in spec]
+
+
+@pytest.mark.slow
+def test_a_heads_join_skips_its_experts_and_drafts_the_same(moe_cache, monkeypatch):
+    """A row's first proposal writes its context into the MTP head's cache through the block's
+    attention alone: the experts' pass over the prompt (most of a join: tiny-moe's 16 rows took
+    520 ms, 138 without) is skipped, and the head drafts and is accepted exactly as after the
+    whole block."""
+    from macspec.speculative.mtp import MTPGroup
+
+    profile = load_profile("tiny-moe")
+    profile.speculative.method = "mtp"
+    runtime = Runtime.load(profile)
+    prompts = [runtime.tokenizer.encode(p) for p in PROMPTS]
+    joining, experts_in_joins = [False], []
+    take_on, moe_call = MTPGroup._take_on, type(runtime.mtp_head.block.mlp).__call__
+
+    def flagged_take_on(self, row, kept):
+        joining[0] = True
+        try:
+            take_on(self, row, kept)
+        finally:
+            joining[0] = False
+
+    def counted_moe(self, x):
+        if joining[0]:
+            experts_in_joins.append(x.shape)
+        return moe_call(self, x)
+
+    monkeypatch.setattr(MTPGroup, "_take_on", flagged_take_on)
+    monkeypatch.setattr(type(runtime.mtp_head.block.mlp), "__call__", counted_moe)
+
+    def run():
+        done = Engine(runtime, max_batch=4).generate(prompts, SamplingParams(), 32, num_draft=3, adaptive=False)
+        return [(c.tokens, c.stats["spec"]["drafted"], c.stats["spec"]["accepted"]) for c in done]
+
+    def prompts_through_experts():  # a join's whole-block pass runs the experts over a prompt
+        return [shape for shape in experts_in_joins if shape[1] >= min(len(p) for p in prompts) - 1]
+
+    alone = run()
+    assert prompts_through_experts() == []
+    monkeypatch.setattr(MTPGroup, "attention_alone", False)  # every join through the whole block
+    assert run() == alone
+    assert prompts_through_experts()  # the whole block's joins did read the experts
+    assert sum(drafted for _, drafted, _ in alone) > 0

@@ -163,12 +163,23 @@ class Eagle3Head(nn.Module):
 
     def forward(self, tokens: mx.array, states: mx.array, target, cache=None):
         """As __call__, with logits over the draft vocabulary (training)."""
+        embeds, hidden, mask = self._block_input(tokens, states, target, cache)
+        h = self.midlayer(embeds, hidden, mask, cache)
+        return self.lm_head(self.norm(h)), h
+
+    def feed(self, tokens: mx.array, states: mx.array, target, cache) -> None:
+        """Write these positions' keys and values into `cache` without their outputs."""
+        embeds, hidden, mask = self._block_input(tokens, states, target, cache)
+        block = self.midlayer
+        block.self_attn(mx.concatenate([block.input_layernorm(embeds), block.hidden_norm(hidden)], axis=-1),
+                        mask, cache)
+
+    def _block_input(self, tokens: mx.array, states: mx.array, target, cache):
         embed = self.embed_tokens if "embed_tokens" in self else target.embed
         hidden = self.fc(states) if states.shape[-1] == self.fused_width else states
         # The batched cache wants an array mask once rows differ in length.
         mask = create_attention_mask(hidden, cache, return_array=True)
-        h = self.midlayer(embed(tokens).astype(hidden.dtype), hidden, mask, cache)
-        return self.lm_head(self.norm(h)), h
+        return embed(tokens).astype(hidden.dtype), hidden, mask
 
     def to_target_vocab(self, logits: mx.array) -> mx.array:
         """Draft-vocabulary logits [..., N] -> [..., target vocab], -inf elsewhere."""

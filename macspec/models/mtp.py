@@ -73,17 +73,27 @@ class MTPHead(nn.Module):
 
     def forward(self, tokens: mx.array, prev_hidden: mx.array, target, cache=None):
         """As __call__, with the logits over the head's own vocabulary (training)."""
+        h, mask = self._block_input(tokens, prev_hidden, target, cache)
+        h = self.block(h, mask, cache)
+        normed = self.shared_head.norm(h)
+        if "head" in self.shared_head:
+            return self.shared_head.head(normed), h
+        return target.logits(normed), h
+
+    def feed(self, tokens: mx.array, prev_hidden: mx.array, target, cache) -> None:
+        """Write these positions' keys and values into `cache` without their outputs: the block's
+        attention alone, as the block calls it (its MLP, an MoE's experts, is skipped)."""
+        h, mask = self._block_input(tokens, prev_hidden, target, cache)
+        self.block.self_attn(self.block.input_layernorm(h), mask, cache)
+
+    def _block_input(self, tokens: mx.array, prev_hidden: mx.array, target, cache):
         embed = self.embed_tokens if "embed_tokens" in self else target.embed
         x = mx.concatenate([self.enorm(embed(tokens)), self.hnorm(prev_hidden)], axis=-1)
         h = self.eh_proj(x)
         # MLA blocks need an array; a CacheList (DSA indexer beside the latent) masks by its first.
         mask = create_attention_mask(h, cache[0] if hasattr(cache, "caches") else cache,
                                      return_array=True)
-        h = self.block(h, mask, cache)
-        normed = self.shared_head.norm(h)
-        if "head" in self.shared_head:
-            return self.shared_head.head(normed), h
-        return target.logits(normed), h
+        return h, mask
 
     def layout_weights(self, layer_index: int) -> dict[str, mx.array]:
         """Flatten to checkpoint names: the block's parameters sit directly under the layer."""
