@@ -186,24 +186,46 @@ class MTPGroup(ChainGroup):
         return self.rows[row.key].num_pending > 0
 
     def _first_logits(self, rows: list[ChainRow]) -> mx.array:
+        """Feed every row its pending states; -> the logits after its last. An MoE head runs its
+        experts on that last position only: the rest just write keys and values (a probe after
+        idleness feeds up to 16 states a row, and each would read its own experts)."""
         counts = [self.rows[row.key].num_pending for row in rows]
         width = max(counts)
-        hidden_rows, followers = [], []
+        followers, hidden_rows = [], []
         for row, count in zip(rows, counts):
             state = self.rows[row.key]
             start = state.next_position
             followers.append(row.committed[start + 1:start + 1 + count])
             block = state.take() if count else mx.zeros((0, self._width), dtype=self._dtype)
-            hidden_rows.append(mx.pad(block.astype(self._dtype), [(0, width - count), (0, 0)]))
-        self.kv.begin(width)
-        logits, out = self.head(pad_rows(followers, width), mx.stack(hidden_rows), self.view,
-                                self.kv.layers[0])
-        last = mx.array([max(c - 1, 0) for c in counts])
-        for index, count in enumerate(counts):
-            self.kv.advance(index, count)
+            hidden_rows.append(block.astype(self._dtype))
+        if width > 1 and self._experts_on_the_last_only():
+            self._write([f[:max(c - 1, 0)] for f, c in zip(followers, counts)], [h[:-1] for h in hidden_rows],
+                        attention_alone=True)
+            followers = [f[c - 1:c] if c else [] for f, c in zip(followers, counts)]
+            hidden_rows = [h[-1:] for h in hidden_rows]
+        logits, out = self._write(followers, hidden_rows)
+        last = mx.array([max(h.shape[0] - 1, 0) for h in hidden_rows])
         picked = mx.arange(len(rows))
         self.state = out[picked, last][:, None]
         return logits[picked, last]
+
+    def _write(self, followers: list[list[int]], hidden_rows: list[mx.array], attention_alone: bool = False):
+        """One batched head pass over each row's states (padded to the longest), kept."""
+        width = max(h.shape[0] for h in hidden_rows)
+        hidden = mx.stack([mx.pad(h, [(0, width - h.shape[0]), (0, 0)]) for h in hidden_rows])
+        self.kv.begin(width)
+        if attention_alone:
+            out = self.head.feed(pad_rows(followers, width), hidden, self.view, self.kv.layers[0])
+        else:
+            out = self.head(pad_rows(followers, width), hidden, self.view, self.kv.layers[0])
+        for index, h in enumerate(hidden_rows):
+            self.kv.advance(index, h.shape[0])
+        return out
+
+    def _experts_on_the_last_only(self) -> bool:
+        if self.attention_alone is None:
+            self.attention_alone = self._attention_alone_writes_the_same()
+        return self.attention_alone and hasattr(getattr(getattr(self.head, "block", None), "mlp", None), "switch_mlp")
 
     def _next_logits(self, tokens: mx.array) -> mx.array:
         self.kv.begin(1)
