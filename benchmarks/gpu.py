@@ -20,8 +20,8 @@ until --budget-s runs out:
   serve     benchmarks/serve.py through `macspec serve`: spec on ÷ off at c = 1, 4, 16 on tiny-wide
             and tiny-moe (draft and MTP), and on tiny (DFlash, EAGLE-3, MTP)
 
-    python benchmarks/gpu.py --out DIR [--phases env,lossless,decode,surface,serve] [--budget-s 480]
-        [--smoke]   (tiny sizes: checks the script on a CPU in a few minutes)
+    python benchmarks/gpu.py --out DIR [--phases env,lossless,decode,surface,prefill,overhead,serve]
+        [--budget-s 480] [--serve-targets tiny,tiny-moe] [--serve-repeats 1] [--smoke]   (tiny sizes: checks the script on a CPU in a few minutes)
 
 Writes DIR/report.md, DIR/report.json and DIR/log.txt (every phase's output), after each phase.
 On a machine without network: `python benchmarks/gpu_payload.py` packs the wheels into .gpu/

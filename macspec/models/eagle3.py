@@ -130,9 +130,13 @@ class Eagle3Block(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(width, eps=eps)
 
     def __call__(self, embeds: mx.array, hidden: mx.array, mask, cache) -> mx.array:
-        x = mx.concatenate([self.input_layernorm(embeds), self.hidden_norm(hidden)], axis=-1)
-        h = hidden + self.self_attn(x, mask, cache)
+        h = hidden + self.attend(embeds, hidden, mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def attend(self, embeds: mx.array, hidden: mx.array, mask, cache) -> mx.array:
+        """The attention over [input_layernorm(embedding); hidden_norm(hidden)] (writes `cache`)."""
+        x = mx.concatenate([self.input_layernorm(embeds), self.hidden_norm(hidden)], axis=-1)
+        return self.self_attn(x, mask, cache)
 
 
 class Eagle3Head(nn.Module):
@@ -169,10 +173,7 @@ class Eagle3Head(nn.Module):
 
     def feed(self, tokens: mx.array, states: mx.array, target, cache) -> None:
         """Write these positions' keys and values into `cache` without their outputs."""
-        embeds, hidden, mask = self._block_input(tokens, states, target, cache)
-        block = self.midlayer
-        block.self_attn(mx.concatenate([block.input_layernorm(embeds), block.hidden_norm(hidden)], axis=-1),
-                        mask, cache)
+        self.midlayer.attend(*self._block_input(tokens, states, target, cache), cache)
 
     def _block_input(self, tokens: mx.array, states: mx.array, target, cache):
         embed = self.embed_tokens if "embed_tokens" in self else target.embed

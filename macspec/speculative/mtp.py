@@ -123,7 +123,7 @@ class MTPGroup(ChainGroup):
         else:  # nothing to feed yet: one scratch position gives the cache its shapes
             hidden = mx.zeros((1, self._width), dtype=self._dtype)
             followers = mx.array([0])
-        self._write_context(followers[None], hidden[None], cache[0])
+        self._head_pass(followers[None], hidden[None], cache[0], outputs=False)
         eval_cache(cache)
         row.next_position += max(0, count - 1)
         if count:
@@ -131,16 +131,19 @@ class MTPGroup(ChainGroup):
         self._add(key, cache, max(0, count - 1))
         self.rows[key] = row
 
-    def _write_context(self, tokens: mx.array, hidden: mx.array, cache) -> None:
-        """The context's keys and values into a row's cache; a join reads no output there.
-        Through the block's attention alone where that writes what the whole block writes (checked
-        once): an MoE block's experts were most of a join (tiny-moe's 16 rows: 520 -> 138 ms)."""
+    def _head_pass(self, tokens: mx.array, hidden: mx.array, cache, outputs: bool = True):
+        """The head over these positions, kept in `cache`. Where no output is read (a join, the
+        states before a row's last), the block's attention alone writes the keys and values, if
+        it writes what the whole block writes (checked once): an MoE block's experts were most of
+        a join (tiny-moe's 16 rows: 520 -> 138 ms)."""
+        if not outputs and self._attention_alone():
+            return self.head.feed(tokens, hidden, self.view, cache)
+        return self.head(tokens, hidden, self.view, cache)
+
+    def _attention_alone(self) -> bool:
         if self.attention_alone is None:
             self.attention_alone = self._attention_alone_writes_the_same()
-        if self.attention_alone:
-            self.head.feed(tokens, hidden, self.view, cache)
-        else:
-            self.head(tokens, hidden, self.view, cache)
+        return self.attention_alone
 
     def _attention_alone_writes_the_same(self) -> bool:
         tokens = mx.array([[1, 2, 3]])
@@ -198,9 +201,9 @@ class MTPGroup(ChainGroup):
             followers.append(row.committed[start + 1:start + 1 + count])
             block = state.take() if count else mx.zeros((0, self._width), dtype=self._dtype)
             hidden_rows.append(block.astype(self._dtype))
-        if width > 1 and self._experts_on_the_last_only():
+        if width > 1 and self._moe_block and self._attention_alone():
             self._write([f[:max(c - 1, 0)] for f, c in zip(followers, counts)], [h[:-1] for h in hidden_rows],
-                        attention_alone=True)
+                        outputs=False)
             followers = [f[c - 1:c] if c else [] for f, c in zip(followers, counts)]
             hidden_rows = [h[-1:] for h in hidden_rows]
         logits, out = self._write(followers, hidden_rows)
@@ -209,23 +212,20 @@ class MTPGroup(ChainGroup):
         self.state = out[picked, last][:, None]
         return logits[picked, last]
 
-    def _write(self, followers: list[list[int]], hidden_rows: list[mx.array], attention_alone: bool = False):
+    def _write(self, followers: list[list[int]], hidden_rows: list[mx.array], outputs: bool = True):
         """One batched head pass over each row's states (padded to the longest), kept."""
         width = max(h.shape[0] for h in hidden_rows)
         hidden = mx.stack([mx.pad(h, [(0, width - h.shape[0]), (0, 0)]) for h in hidden_rows])
         self.kv.begin(width)
-        if attention_alone:
-            out = self.head.feed(pad_rows(followers, width), hidden, self.view, self.kv.layers[0])
-        else:
-            out = self.head(pad_rows(followers, width), hidden, self.view, self.kv.layers[0])
+        out = self._head_pass(pad_rows(followers, width), hidden, self.kv.layers[0], outputs)
         for index, h in enumerate(hidden_rows):
             self.kv.advance(index, h.shape[0])
         return out
 
-    def _experts_on_the_last_only(self) -> bool:
-        if self.attention_alone is None:
-            self.attention_alone = self._attention_alone_writes_the_same()
-        return self.attention_alone and hasattr(getattr(getattr(self.head, "block", None), "mlp", None), "switch_mlp")
+    @property
+    def _moe_block(self) -> bool:
+        """Whether the head's block is an MoE layer (mlx-lm's `switch_mlp`)."""
+        return hasattr(getattr(getattr(self.head, "block", None), "mlp", None), "switch_mlp")
 
     def _next_logits(self, tokens: mx.array) -> mx.array:
         self.kv.begin(1)
