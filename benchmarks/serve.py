@@ -172,6 +172,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1,4 clients, 32 tokens, 1 round")
     ap.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx_lm.server rows")
     ap.add_argument("--json-out")
+    ap.add_argument("--status-out", help="write macspec's /v1/status engine section after each "
+                    "level (the policy's guards and step costs: why adaptive chose what it did)")
     ap.add_argument("--target", default="tiny-wide", choices=("tiny", "tiny-wide", "tiny-moe", "smollm2"))
     ap.add_argument("--fixed-k", default="", help="more variants at a fixed k, e.g. 1,2,3 (the "
                     "profile's method, adaptive off) or mtp:1,mtp:2 (another method's): the best fixed k to compare adaptive with")
@@ -242,6 +244,7 @@ def main() -> None:
             servers += [("mlx_lm.server draft", [*base, "--draft-model", str(draft), "--num-draft-tokens",
                                                  str(args.num_draft)], "/v1/models", [("mlx_lm.server draft", {})])]
     table: dict[str, dict] = {}
+    statuses: dict[int, dict] = {}
     server = None
     for label, argv, probe, variants in servers:
         if server:
@@ -268,6 +271,9 @@ def main() -> None:
                                                args.max_tokens, tokenizer, args.temperature, args.ignore_eos))
                     row.update(step_figures(before, engine_status(server.url, probe)))
                     table[name][c].append(row)
+            if args.status_out and probe == "/health":
+                statuses[c] = engine_status(server.url, probe)
+                Path(args.status_out).write_text(json.dumps(statuses, indent=1))
             for name, _ in variants:
                 table[name][c] = row = mean_row(table[name][c])
                 extra_text = (f"  {row['syncs_per_step']} syncs/step, mean k {row['mean_k']}, "

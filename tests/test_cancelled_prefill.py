@@ -2,8 +2,9 @@
 prefilling (or its prompt and answer, once decoding), so a client's retry of the same prompt
 prefills only the rest -- with the same greedy output as a run that was never cancelled.
 
-The engine is stepped by hand: each step prefills exactly one chunk, so "cancelled after two
-chunks" holds on any machine, however slow."""
+The engine is stepped by hand: each step prefills at most one chunk's worth of tokens (one chunk
+of this file's long prompt), so "cancelled after two chunks" holds on any machine, however slow.
+Short prompts queued together start in one step."""
 
 from __future__ import annotations
 
@@ -140,3 +141,23 @@ def test_every_rank_keeps_the_same_cancelled_prefix(runtime, prompt):
     for entry, layers in local.items():
         for ours, theirs in zip(layers, replica.runner.prefixes[entry]):
             assert all(mx.array_equal(a, b).item() for a, b in zip(ours, theirs))
+
+
+def test_short_prompts_queued_together_start_in_one_step(runtime):
+    """A step prefills up to one chunk's worth of tokens, in whole chunks: prompts that fit
+    together all get their first token in the first step (one prompt a step held the last of
+    16 arrivals back 15 steps), and a prompt longer than what is left waits for the next step.
+    Each answer is the one it gets alone."""
+    tokens = runtime.tokenizer.encode(TEXT)
+    size = CHUNK // 4
+    short = [tokens[i * size:(i + 1) * size] for i in range(4)]  # four prompts: one chunk's worth
+    waiting = tokens[:CHUNK + 3]
+    engine = Engine(runtime, max_batch=8)
+    submitted = [_submit(engine, p) for p in short + [waiting]]
+    engine.step()
+    started = [any(getattr(e, "ids", None) for e in events) for _, events in submitted]
+    assert started == [True] * 4 + [False]
+    engine.run_until_done()
+    alone = [Engine(runtime).generate([p], SamplingParams(), MAX_TOKENS, adaptive=False)[0].tokens
+             for p in short + [waiting]]
+    assert [[t for e in events if hasattr(e, "ids") for t in e.ids] for _, events in submitted] == alone

@@ -60,9 +60,11 @@ def test_plain_matches_mlx_lm_greedy(runtime_for, prompts):
         assert ours == theirs[: len(ours)]
 
 
-@pytest.mark.parametrize("params", [PLAIN, PENALIZED], ids=["plain", "repetition-penalty"])
-# The shortest window, one with partial acceptance inside the chain, one past most answers' ends.
-@pytest.mark.parametrize("k", [1, 3, 8])
+# The shortest window, one with partial acceptance inside the chain, one past most answers' ends;
+# a penalty (each window position processed with the drafts before it) at the middle one, as
+# the OpenAI penalties below.
+@pytest.mark.parametrize("k,params", [(1, PLAIN), (3, PLAIN), (8, PLAIN), (3, PENALIZED)],
+                         ids=["1-plain", "3-plain", "8-plain", "3-repetition-penalty"])
 @pytest.mark.parametrize("method", PROPOSER_NAMES)
 def test_speculative_greedy_equals_plain(runtime_for, prompts, method, k, params):
     runtime = runtime_for(method)

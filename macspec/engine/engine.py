@@ -1,8 +1,9 @@
 """The engine: synchronous, one code path for `run`, `serve`, the proofs and the benchmarks.
 
 add_request() queues a request; each step() is schedule -> propose -> verify -> commit: admit
-waiting requests, prefill one prompt chunk, then one batched speculative decode step over every
-running row (each row with its own proposer and k, chosen by the policy). Events go to
+waiting requests, prefill up to one chunk's worth of prompt tokens (whole chunks, of one request
+or several), then one batched speculative decode step over every running row (each row with its
+own proposer and k, chosen by the policy). Events go to
 each request's sink as they happen. generate() runs steps until its requests are done; `serve`
 wraps the engine in a thread with queues (service.py).
 """
@@ -104,13 +105,15 @@ class Engine(BlockingAPI):
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> None:
-        """Admit, prefill one chunk, decode one batched step. A failed prefill fails only its
-        request (one process); any other failure propagates (the caller fails what is running)."""
+        """Admit, prefill up to one chunk's worth of tokens, decode one batched step. A failed
+        prefill fails only its request (one process); any other failure propagates (the caller
+        fails what is running)."""
         govern_threads()
         self.scheduler.admit()
         self._publish_counts()
-        chunk = self.scheduler.next_prefill()
-        if chunk is not None:
+        budget = self.scheduler.prefill_chunk
+        while (chunk := self.scheduler.next_prefill(budget)) is not None:
+            budget -= max(1, len(chunk[1]))
             t0 = time.perf_counter()
             try:
                 self._prefill(*chunk)

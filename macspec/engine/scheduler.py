@@ -93,13 +93,16 @@ class Scheduler:
             self._drop_prefixes([entry])
         return True
 
-    def next_prefill(self) -> tuple[Sequence, list[int]] | None:
-        """The prompt chunk to prefill next: one request at a time, so decoding never stalls
-        behind a long prompt for more than one chunk."""
+    def next_prefill(self, budget: int) -> tuple[Sequence, list[int]] | None:
+        """The prompt chunk to prefill next, if it fits the `budget` of tokens this step has left:
+        a step prefills at most one chunk's worth, so decoding never stalls behind a long prompt
+        for more than one chunk, while short (or cached) prompts queued behind each other all go
+        in one step (one a step held 16 arrivals' first tokens for up to 16 steps)."""
         if not self.prefilling:
             return None
         seq = self.prefilling[0]
-        return seq, seq.prompt[seq.prefill_done:seq.prefill_done + self.prefill_chunk]
+        chunk = seq.prompt[seq.prefill_done:seq.prefill_done + self.prefill_chunk]
+        return (seq, chunk) if len(chunk) <= budget else None
 
     def prefilled(self, seq: Sequence) -> None:
         """Its prompt is in: a row of the batch, or (finished on its first token) closed with
