@@ -21,7 +21,8 @@ until --budget-s runs out:
             and tiny-moe (draft and MTP), and on tiny (DFlash, EAGLE-3, MTP)
 
     python benchmarks/gpu.py --out DIR [--phases env,lossless,decode,surface,prefill,overhead,serve]
-        [--budget-s 480] [--serve-targets tiny,tiny-moe] [--serve-repeats 1] [--smoke]   (tiny sizes: checks the script on a CPU in a few minutes)
+        [--budget-s 480] [--serve-targets tiny,tiny-moe] [--serve-repeats 1]
+        [--smoke]   (tiny sizes: checks the script on a CPU in a few minutes)
 
 Writes DIR/report.md, DIR/report.json and DIR/log.txt (every phase's output), after each phase.
 On a machine without network: `python benchmarks/gpu_payload.py` packs the wheels into .gpu/

@@ -3,9 +3,9 @@
 add_request() queues a request; each step() is schedule -> propose -> verify -> commit: admit
 waiting requests, prefill up to one chunk's worth of prompt tokens (whole chunks, of one request
 or several), then one batched speculative decode step over every running row (each row with its
-own proposer and k, chosen by the policy). Events go to
-each request's sink as they happen. generate() runs steps until its requests are done; `serve`
-wraps the engine in a thread with queues (service.py).
+own proposer and k, chosen by the policy). Events go to each request's sink as they happen.
+generate() runs steps until its requests are done; `serve` wraps the engine in a thread with
+queues (service.py).
 """
 
 from __future__ import annotations
