@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from macspec.speculative.acceptance import METHOD_MEMORY, Acceptance
+from macspec.speculative.acceptance import METHOD_MEMORY, Acceptance, observe_step
 from macspec.speculative.policy import Pace, PlanRow, Policy
 
 # Target forward ms by batch size, per window W = 1..5 (docs/benchmarks.md: "MoE targets: the
@@ -33,18 +33,23 @@ HEADS = {
     "good": (0.75, 0.6, 0.6, 0.6),  # tiny-moe's MTP head
     "echo": (0.95, 0.95, 0.95, 0.95),  # a request restating its context
 }
+WARMING = 40  # tokens over which a warming request's acceptance rises
 
 
 @dataclass
 class Stream:
-    """How acceptance moves over a request: steady, in easy and hard stretches, or dropping to
-    nothing half-way (a request that stops restating its context)."""
+    """How acceptance moves over a request: steady, in easy and hard stretches, dropping to
+    nothing half-way (a request that stops restating its context), or warming (hard right after
+    its prompt, easier over its first WARMING tokens)."""
 
     head: str
-    shape: str = "steady"  # "steady", "stretches", "drop"
+    shape: str = "steady"  # "steady", "stretches", "drop", "warming"
 
     def alphas(self, rng: random.Random, step: int, steps: int, state: dict) -> list[float]:
         base = list(HEADS[self.head])
+        if self.shape == "warming":
+            swing = -0.3 + 0.4 * min(1.0, state.get("done", 0) / WARMING)
+            return [min(0.97, max(0.0, a + swing)) for a in base]
         if self.shape == "stretches":
             if rng.random() < 0.05:
                 state["hard"] = not state.get("hard", False)
@@ -56,11 +61,13 @@ class Stream:
 
 
 def run(table: str, rows: int, stream: Stream, k: int | None, steps: int = 400, seed: int = 0,
-        k_max: int = 4, noise: float = 0.1, calibration_bias: float = 1.3) -> float:
+        k_max: int = 4, noise: float = 0.1, calibration_bias: float = 1.3,
+        tokens: int | None = None) -> float:
     """Tokens per simulated second for `rows` rows decoding `steps` steps: k None = the policy,
     else a fixed k for every row. Each step's time is the table's, times up to ±`noise`; the
     policy's table starts from a calibration that read every cell `calibration_bias` too high
-    (measured under load)."""
+    (measured under load). `tokens`: each row's request ends after that many, and a new one takes
+    its row, starting from the prior (None: one request a row)."""
     forward, chain = TABLES[table]
     size = min(forward, key=lambda b: abs(b - rows))
     rng = random.Random(seed)
@@ -72,9 +79,9 @@ def run(table: str, rows: int, stream: Stream, k: int | None, steps: int = 400, 
             policy.costs.seed("sim", rows, window, cost * calibration_bias)
     prior = Acceptance(memory=METHOD_MEMORY)
     estimates = [Acceptance(prior.alphas(1)[0]) for _ in range(rows)]
-    states = [{} for _ in range(rows)]
+    states: list[dict] = [{} for _ in range(rows)]
     paces = [Pace() for _ in range(rows)]
-    spent, tokens = 0.0, 0
+    spent, total = 0.0, 0
     for step in range(steps):
         plan_rows = [PlanRow("sim", k_max, e.alphas(k_max), fixed=k is not None, pace=pace)
                      for e, pace in zip(estimates, paces)]
@@ -90,8 +97,12 @@ def run(table: str, rows: int, stream: Stream, k: int | None, steps: int = 400, 
         if k is None:
             policy.observe_step(plan_rows, ks, seconds, committed)
         spent += seconds
-        tokens += sum(committed)
-    return tokens / spent
+        total += sum(committed)
+        for i, n in enumerate(committed):
+            states[i]["done"] = states[i].get("done", 0) + n
+            if tokens is not None and states[i]["done"] >= tokens:
+                estimates[i], states[i], paces[i] = Acceptance(prior.alphas(1)[0]), {}, Pace()
+    return total / spent
 
 
 def _verify(rng: random.Random, truth, k: int, estimate: Acceptance, prior: Acceptance) -> int:
@@ -100,8 +111,8 @@ def _verify(rng: random.Random, truth, k: int, estimate: Acceptance, prior: Acce
     accepted = 0
     while accepted < k and rng.random() < truth[accepted]:
         accepted += 1
+    observe_step({"sim": estimate}, "sim" if k else None, k, accepted)
     if k:
-        estimate.observe(k, accepted)
         prior.observe(k, accepted)
     return accepted + 1
 

@@ -19,7 +19,7 @@ import mlx.core as mx
 from .. import faults, proposers
 from ..faults import SpecFaults
 from ..sampling import RowContext
-from .acceptance import ALPHA_PRIOR, METHOD_MEMORY, Acceptance
+from .acceptance import ALPHA_PRIOR, METHOD_MEMORY, Acceptance, observe_step
 from .base import ChainRow, Drafts, Offer, ProposerGroup
 from .policy import Pace, PlanRow, Policy
 from .stats import SpecStats
@@ -152,14 +152,17 @@ class Speculator:
         if not self._orphaned(seq) and record.group.needs_hidden:
             seq.keep_states(hidden)
             self.guarded("proposer_observe", record.group.observe, seq.request.id, hidden, drop=seq)
-        if drafted and record.offer is not None:
-            self.guarded("acceptance", self._observe_acceptance, record, record.offer.kind, drafted, accepted)
+        self.guarded("acceptance", self._observe_acceptance, record, drafted, accepted)
 
-    def _observe_acceptance(self, record: Record, kind: str, drafted: int, accepted: int) -> None:
-        record.alphas(kind)  # made from its start if this is its first
-        record.acceptance[kind].observe(drafted, accepted)
-        prior = self.priors.setdefault((record.method, kind), Acceptance(memory=METHOD_MEMORY))
-        prior.observe(drafted, accepted)
+    def _observe_acceptance(self, record: Record, drafted: int, accepted: int) -> None:
+        """A step that drafted measures its kind, here and in the method's prior; every step ages
+        the request's evidence, drafted or not (acceptance.py)."""
+        kind = record.offer.kind if drafted and record.offer is not None else None
+        if kind is not None:
+            record.alphas(kind)  # made from its start if this is its first
+            prior = self.priors.setdefault((record.method, kind), Acceptance(memory=METHOD_MEMORY))
+            prior.observe(drafted, accepted)
+        observe_step(record.acceptance, kind, drafted, accepted)
 
     def settle(self, accepted: dict[int, int]) -> None:
         """Every group rolls its rows back to the drafts they kept."""
