@@ -1,23 +1,17 @@
-"""Deciding k, by measurement (docs/architecture.md, "The policy", explains it on one page).
+"""Deciding k, by measurement; docs/architecture.md ("The policy") explains it on one page.
 
-Each step the plan picks the window W and the proposers that draft, whichever maximise the
-batch's expected committed tokens per second, sum_i E_i(k_i) / seconds(chain, B, W): E from each
+Each step the plan picks the window W and the methods that draft, whichever maximise the batch's
+expected committed tokens per second, sum_i E_i(k_i) / seconds(chain, B, W): E from each
 request's measured acceptance (acceptance.py), seconds from the step-cost table (costs.py). A
 drafting row takes all the k its window allows (min(W - 1, its k_max)): the window is paid for.
 
-A throughput guard per (method, batch bucket) keeps the promise: it compares the committed tokens
-per second of the steps that method drafted in against plain decoding's, both measured at that
-bucket. Trailing plain by more than GUARD_MARGIN turns the method off there; a probe of
-PROBE_STEPS speculative steps re-measures it after `interval` steps, the interval doubling while
-probes lose (profile: probe_min_steps .. probe_max_steps). A method the plan leaves idle for an
-interval is probed the same way, and a method is tried (probed) at a bucket before anything there
-can turn it off: nothing is off before it was measured.
-
-The same promise holds per request: each keeps its pace, its decode time against what plain
-decoding would have taken for its tokens. A window may slow a request only out of what
-speculation saved it before: one behind its pace by more than GUARD_MARGIN takes no window
-expected to slow it further (a row that does not draft pays the batch's window all the same;
-in a burst, the request that drafts worst was its tail).
+Two measured promises bound it. A guard per (method, batch bucket) compares the committed tokens
+per second of that method's drafting steps with plain decoding's at that bucket: trailing by more
+than GUARD_MARGIN turns the method off there until a probe, after `interval` steps (doubling
+while probes lose), measures it winning; a method the plan leaves idle that long is probed too,
+and nothing is off before a probe measured it. And each request keeps its pace: one behind
+plain decoding's pace by GUARD_MARGIN takes no window it expects to slow it further (a row that
+does not draft pays the batch's window all the same).
 """
 
 from __future__ import annotations
@@ -50,20 +44,24 @@ class PlanRow:
 
 
 @dataclass
-class Pace:
-    """One request's decode steps: the seconds plain decoding would have taken for the tokens it
-    committed, and the seconds they took. A plain step is on pace (its noise is no one's loss)."""
+class Ledger:
+    """Seconds plain decoding would have taken for some steps' tokens, and the seconds they took."""
 
     plain_s: float = 0.0
     spent_s: float = 0.0
 
     @property
-    def behind(self) -> bool:
-        return self.spent_s > (1.0 + GUARD_MARGIN) * self.plain_s
-
-    @property
     def speedup(self) -> float | None:
         return self.plain_s / self.spent_s if self.spent_s > 0 else None
+
+
+@dataclass
+class Pace(Ledger):
+    """One request's decode steps. A plain step is on pace (its noise is no one's loss)."""
+
+    @property
+    def behind(self) -> bool:
+        return self.spent_s > (1.0 + GUARD_MARGIN) * self.plain_s
 
     def observe(self, tokens: float, seconds: float, plain_s: float, speculative: bool) -> None:
         self.plain_s += tokens * plain_s
@@ -71,20 +69,14 @@ class Pace:
 
 
 @dataclass
-class Guard:
-    """One method at one batch bucket: its measured speed-up over plain decoding."""
+class Guard(Ledger):
+    """One method at one batch bucket: its drafting steps (decayed) against plain decoding."""
 
-    interval: int  # steps before the next probe while off (or left idle by the plan)
+    interval: int = 0  # steps before the next probe while off (or left idle by the plan)
     probe_left: int = PROBE_STEPS
     allowed: bool = True
     waited: int = 0  # steps it could have drafted here and did not
-    plain_s: float = 0.0  # seconds plain decoding would have taken for its steps' tokens (decayed)
-    spent_s: float = 0.0  # seconds those steps took (decayed)
     steps: float = 0.0
-
-    @property
-    def speedup(self) -> float | None:
-        return self.plain_s / self.spent_s if self.spent_s > 0 else None
 
     @property
     def state(self) -> str:
@@ -106,7 +98,7 @@ class Policy:
     def guard(self, method: str, rows: int) -> Guard:
         key = (method, bucket(rows))
         if key not in self.guards:
-            self.guards[key] = Guard(self.probe_steps[0])
+            self.guards[key] = Guard(interval=self.probe_steps[0])
         return self.guards[key]
 
     # ---- a step's decision -------------------------------------------------------------------
