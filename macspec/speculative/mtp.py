@@ -105,17 +105,21 @@ class MTPGroup(ChainGroup):
     def join(self, key, committed, prompt_hidden, hidden_start=0) -> None:
         # The head's prefill waits for the row's first proposal, as a draft model's does
         # (base.start_rows): a row whose speculation stays off, or that finishes first, never pays it.
-        self.waiting[key] = WaitingRow(hidden_start, [] if prompt_hidden is None else [prompt_hidden])
+        # It keeps the columns this head reads, as observe() does for the states that follow.
+        states = self._own_states(prompt_hidden)
+        if states is None:  # none kept (or kept before this head's layers were tapped)
+            self.waiting[key] = WaitingRow(len(committed) - 1, [])
+        else:
+            self.waiting[key] = WaitingRow(hidden_start, [states])
 
     def _take_on(self, row: ChainRow, kept: WaitingRow) -> None:
         self._join_now(row.key, row.committed, kept.states(), kept.start)
 
     def _join_now(self, key, committed, prompt_hidden, hidden_start=0) -> None:
-        """Feed the states so far into a fresh row, all but the last: its logits make the
-        first proposal, together with whatever the next decode step adds."""
+        """Feed the states so far (the columns this head reads) into a fresh row, all but the
+        last: its logits make the first proposal, together with whatever the next step adds."""
         cache = self.layout_cache()
         row = MTPRow(hidden_start)
-        prompt_hidden = self._own_states(prompt_hidden)
         count = 0 if prompt_hidden is None else prompt_hidden.shape[0]
         if count > 1:
             hidden = prompt_hidden[:-1].astype(self._dtype)
