@@ -100,11 +100,10 @@ class DFlashGroup(MTPGroup):
     def offer(self, row: ChainRow, alphas) -> Offer:
         return Offer(min(row.k, self.chain_k_max), chained=True)
 
-    def _join_now(self, key, committed, prompt_hidden, hidden_start=0) -> None:
+    def _join_now(self, key, committed, states, hidden_start=0) -> None:
         """The context so far (the columns the drafter reads) written into a fresh row (its last
         committed token is the first block's head)."""
         caches = [KVCache() for _ in self.drafter.layers]
-        states = prompt_hidden
         count = 0 if states is None else states.shape[0]
         if count:
             ctx = self.drafter.hidden_norm(self.drafter.fc(states[None].astype(self._dtype)))

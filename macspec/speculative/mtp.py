@@ -115,14 +115,14 @@ class MTPGroup(ChainGroup):
     def _take_on(self, row: ChainRow, kept: WaitingRow) -> None:
         self._join_now(row.key, row.committed, kept.states(), kept.start)
 
-    def _join_now(self, key, committed, prompt_hidden, hidden_start=0) -> None:
+    def _join_now(self, key, committed, states, hidden_start=0) -> None:
         """Feed the states so far (the columns this head reads) into a fresh row, all but the
         last: its logits make the first proposal, together with whatever the next step adds."""
         cache = self.layout_cache()
         row = MTPRow(hidden_start)
-        count = 0 if prompt_hidden is None else prompt_hidden.shape[0]
+        count = 0 if states is None else states.shape[0]
         if count > 1:
-            hidden = prompt_hidden[:-1].astype(self._dtype)
+            hidden = states[:-1].astype(self._dtype)
             followers = mx.array(committed[hidden_start + 1:hidden_start + count])
         else:  # nothing to feed yet: one scratch position gives the cache its shapes
             hidden = mx.zeros((1, self._width), dtype=self._dtype)
@@ -131,7 +131,7 @@ class MTPGroup(ChainGroup):
         eval_cache(cache)
         row.next_position += max(0, count - 1)
         if count:
-            row.add(prompt_hidden[-1:])
+            row.add(states[-1:])
         self._add(key, cache, max(0, count - 1))
         self.rows[key] = row
 
