@@ -72,7 +72,7 @@ def test_info_logs_every_phase_with_its_duration():
 
 def test_a_damaged_step_cost_file_is_timed_again(isolated_home):
     from macspec.paths import cache_dir
-    from macspec.speculative.calibrate import COSTS_FILE
+    from macspec.speculative.kept import COSTS_FILE
 
     (cache_dir() / COSTS_FILE).write_text('{"not": "a table"')
     _, err = _run("--log-level", "info", tty=False)

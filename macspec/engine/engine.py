@@ -25,7 +25,8 @@ from ..kv.prefix import PrefixCache
 from ..models.view import join_states
 from ..monitor.memory import MB, KVBudget
 from ..paths import cache_dir
-from ..speculative.calibrate import COSTS_FILE, calibrate, cost_key, load_table, save_table
+from ..speculative.calibrate import calibrate
+from ..speculative.kept import COSTS_FILE, cost_key, load_costs, save_costs
 from ..speculative.speculator import Speculator
 from . import window
 from .blocking import BlockingAPI
@@ -290,11 +291,11 @@ class Engine(BlockingAPI):
     # ---- calibration and reporting -----------------------------------------------------
     def calibrate(self) -> None:
         """Seed the step-cost table: from the last run of these models with these settings on
-        this machine (calibrate.py), else by timing the target forward and the proposer."""
+        this machine (kept.py), else by timing the target forward and the proposer."""
         key = cost_key(self.runtime, self.runtime.method, self.max_batch, self.tp_size)
         path = cache_dir() / COSTS_FILE
         if calibrate(self.speculator, self.runner, self.runtime.method, self.max_batch,
-                     load_table(path, key)):
+                     load_costs(path, key)):
             logger.info("step costs from %s (an earlier run's; re-measured as steps run)", path)
         self._costs_kept = (key, -1, 0.0)
 
@@ -307,7 +308,7 @@ class Engine(BlockingAPI):
         if costs.clock != clock and time.monotonic() - saved >= every_s:
             self._costs_kept = (key, costs.clock, time.monotonic())
             try:
-                save_table(cache_dir() / COSTS_FILE, key, costs)
+                save_costs(cache_dir() / COSTS_FILE, key, costs)
             except Exception:  # bookkeeping: never a request's or a shutdown's failure
                 logger.warning("could not save the step costs", exc_info=True)
 

@@ -4,45 +4,31 @@ proposer's chain step at one row and at four, added for the chain's depth. Every
 replaces its cell's seed. A model proposer first asked for by a request (not the profile's) is
 timed when its group is made.
 
-The table a run ends with is kept (cache dir, step-costs.json) under a key of what sets a step's
-cost — the models' parameter shapes and dtypes, the method, k_max, the batch, the ranks, the
-machine and its threads — and seeds the next start with those settings instead of timing them
-again: 1-4 s on a CPU, ~20 s under load. Its cells are seeds, so today's steps re-measure them
-(a seed's first real step rescales its bucket's other seeds)."""
+A table an earlier run kept (kept.py) seeds the start instead, when it holds every forward
+cell: timing takes 1-4 s on a CPU, ~20 s under load. Its cells are seeds, so today's steps
+re-measure them (a seed's first real step rescales its bucket's other seeds)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import platform
 import time
-from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from .. import proposers
-from ..paths import update_json
 from ..progress import phase
 from ..sampling import Rng, RowContext, SamplingParams
 from .base import ChainRow, ProposerGroup
-from .costs import StepCosts
 from .speculator import Speculator
 
 logger = logging.getLogger(__name__)
-
-COSTS_FILE = "step-costs.json"  # in the cache dir
-KEYS_KEPT = 32  # (models, settings, machine) entries; the least recently saved go first
-CACHE_SCHEMA = 1  # bump when what a cell means changes
 
 
 def calibrate(speculator: Speculator, runner, method: str, max_batch: int,
               cached: dict[tuple[str, int, int], float] | None = None) -> bool:
     """`runner.time_forward(rows, window, repeats)` times the target; `runner.states_width` is
     the width of the states heads read (wider once an EAGLE-3 head's layers are tapped).
-    `cached`: an earlier run's table (load_table); used when it holds every forward cell timed
+    `cached`: an earlier run's table (kept.load_costs); used when it holds every forward cell timed
     here. -> whether the cache was used."""
     k_max = max(1, speculator.settings.num_draft_tokens)
     costs = speculator.policy.costs
@@ -102,49 +88,3 @@ def _time_chain(group: ProposerGroup, k_max: int, width: int, count: int) -> flo
         group.settle({})
         committed = committed + [1]
     return min(times[1:])
-
-
-# ---- the table kept between runs -------------------------------------------------------------
-def cost_key(runtime, method: str, max_batch: int, ranks: int) -> str:
-    """What sets a step's cost, hashed: the loaded models' parameter shapes and dtypes (not their
-    values or paths: a copy or a retrained draft costs the same), the settings and the machine."""
-    from ..blas import blas_info
-
-    modules = [runtime.target.model, getattr(runtime.draft, "model", None), runtime.mtp_head, runtime.eagle3_head,
-               runtime.dflash_drafter]
-    info = mx.device_info() if hasattr(mx, "device_info") else {}
-    blas = blas_info()
-    parts = {"schema": CACHE_SCHEMA, "models": [_shapes(m) for m in modules if m is not None],
-             "method": method, "k_max": runtime.profile.speculative.num_draft_tokens,
-             "max_batch": max_batch, "ranks": ranks, "hosts": runtime.profile.parallel.hosts,
-             "device": str(mx.default_device()), "chip": info.get("device_name", ""),
-             "cpu": platform.machine(), "cores": os.cpu_count(), "mlx": mx.__version__,
-             "blas": [blas.name, blas.core, blas.threads]}
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
-
-
-def _shapes(module) -> str:
-    flat = tree_flatten(module.parameters()) if hasattr(module, "parameters") else []
-    text = ";".join(f"{name}:{tuple(a.shape)}:{a.dtype}" for name, a in flat)
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
-
-
-def load_table(path: Path, key: str) -> dict[tuple[str, int, int], float] | None:
-    """An earlier run's table for `key`, or None (no file, no entry, unreadable)."""
-    try:
-        entry = json.loads(path.read_text()).get(key)
-        cells = {(str(c), int(b), int(w)): float(s) for c, b, w, s in entry["cells"]}
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return None
-    return {cell: s for cell, s in cells.items() if s > 0} or None
-
-
-def save_table(path: Path, key: str, costs: StepCosts) -> None:
-    """Merge this table into `path`, keeping the KEYS_KEPT most recently saved keys."""
-    def merged(stored: dict) -> dict:
-        stored[key] = {"saved": time.time(), "cells": [[c, b, w, round(cell.seconds, 7)]
-                                                       for (c, b, w), cell in sorted(costs.cells.items())]}
-        saved = lambda k: stored[k].get("saved", 0) if isinstance(stored[k], dict) else 0  # noqa: E731
-        return {k: stored[k] for k in sorted(stored, key=saved, reverse=True)[:KEYS_KEPT]}
-
-    update_json(path, merged, "step costs")

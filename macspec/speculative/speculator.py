@@ -246,16 +246,16 @@ class Speculator:
     def remembered_priors(self, path, target: str) -> Callable[[], None]:
         """Load the acceptance priors saved at `path` for this target and each method's own
         model; -> a function that saves them back (call it when done)."""
-        from . import priors
+        from . import kept
 
-        keys = {p.name: priors.pair_key(p.name, target, proposers.own_model(p.name, self.settings),
-                                        paired=p.model_key is not None)
+        keys = {p.name: kept.pair_key(p.name, target, proposers.own_model(p.name, self.settings),
+                                      paired=p.model_key is not None)
                 for p in proposers.PROPOSERS}
-        for method, alphas in priors.load(path, keys).items():
+        for method, alphas in kept.load_priors(path, keys).items():
             self.priors[(method, "drafts")] = Acceptance(alphas[0], memory=METHOD_MEMORY)
             self.remembered[method] = alphas[0]
-        return lambda: priors.save(path, keys, {m: p.alphas(self.settings.num_draft_tokens)
-                                                for (m, kind), p in self.priors.items() if kind == "drafts"})
+        return lambda: kept.save_priors(path, keys, {m: p.alphas(self.settings.num_draft_tokens)
+                                                     for (m, kind), p in self.priors.items() if kind == "drafts"})
 
     def status(self) -> dict:
         acceptance: dict = {}
