@@ -16,8 +16,8 @@ at a time, c = 4 all at once. Per run: tok/s (completion tokens ÷ wall time), a
 server's /v1/status the method's tokens per target forward, acceptance and mean draft length;
 "same text" compares each answer with spec off's (greedy only; a sampled answer is equal in
 distribution, not token for token). The server's profile is smollm2's without its repetition
-penalty (an agent restating code must be free to repeat it); mtp runs at k = 1 fixed (the
-profile's measured best), ngram up to 4, suffix and mtp+suffix up to suffix_max_tokens.
+penalty (an agent restating code must be free to repeat it); mtp runs as the shipped
+profile does (adaptive, k <= 1), ngram up to 4, suffix and mtp+suffix up to suffix_max_tokens.
 
     python benchmarks/agents.py [--methods none,ngram,suffix,mtp,mtp+suffix] [--concurrency 1,4]
         [--temperatures 0,0.7] [--workloads edit,tools,json,json-schema,chat] [--max-tokens 128]
@@ -88,8 +88,7 @@ TOOL = {"type": "function", "function": {"name": "read_file", "description": "Re
 
 FACTS_SCHEMA = {"type": "object", "additionalProperties": {"type": ["string", "number"]}}
 # Per method: the request's `speculative` settings (see the module doc).
-SPECULATIVE = {"none": {"method": "none"}, "mtp": {"method": "mtp", "num_draft_tokens": 1, "adaptive": False},
-               "ngram": {"method": "ngram", "num_draft_tokens": 4}}
+SPECULATIVE = {"none": {"method": "none"}, "ngram": {"method": "ngram", "num_draft_tokens": 4}}
 
 
 def workloads() -> dict[str, list[dict]]:

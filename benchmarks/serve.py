@@ -117,11 +117,11 @@ async def scenario(url: str, concurrency: int, rounds: int, texts: list[str], ex
         async def client(c: int):
             out = []
             for r in range(rounds):
-                prompt = texts[(c * rounds + r) % len(texts)]
-                body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
-                        "stream_options": {"include_usage": True}, **extra,
+                index = (c * rounds + r) % len(texts)
+                body = {"prompt": texts[index], "max_tokens": max_tokens, "temperature": temperature,
+                        "stream": True, "stream_options": {"include_usage": True}, **extra,
                         **({"ignore_eos": True} if ignore_eos else {})}
-                out.append(await one_request(session, url, body))
+                out.append({"prompt": index, **await one_request(session, url, body)})
             return out
 
         await one_request(session, url, {"prompt": texts[0], "max_tokens": 8, "stream": True, **extra})
@@ -129,13 +129,46 @@ async def scenario(url: str, concurrency: int, rounds: int, texts: list[str], ex
         results = [r for rs in await asyncio.gather(*(client(c) for c in range(concurrency))) for r in rs]
         wall = time.perf_counter() - start
     ok = [r for r in results if "error" not in r]
-    tokens = sum(r["usage"]["completion_tokens"] if r["usage"] else
-                 len(tokenizer.encode(r["text"], add_special_tokens=False)) for r in ok)
+    for r in ok:
+        r["tokens"] = (r["usage"]["completion_tokens"] if r["usage"] else
+                       len(tokenizer.encode(r["text"], add_special_tokens=False)))
+    tokens = sum(r["tokens"] for r in ok)
     ttfts = sorted(r["ttft"] for r in ok)
     return {"requests": len(results), "errors": [r["error"] for r in results if "error" in r],
+            "answers": [{key: r[key] for key in ("prompt", "text", "tokens", "seconds")} for r in ok],
             "tokens": tokens, "wall_s": round(wall, 3), "tok_per_s": round(tokens / wall, 1),
             "ttft_p50_ms": round(1e3 * statistics.median(ttfts), 1) if ttfts else None,
             "ttft_p95_ms": round(1e3 * ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))], 1) if ttfts else None}
+
+
+def print_same_text(table: dict, levels: list[int]) -> None:
+    """Greedy: which prompts each config answered as macspec spec off did, and the peer's speed
+    against macspec's on the prompts all three answered alike (a peer whose answers differ, warm
+    from cold or from ours, is not timed on the same work). Throughput there is the prompts'
+    tokens over their requests' seconds (their own time at c = 1, overlapped above it)."""
+    def texts(row: dict) -> dict[int, set[str]]:
+        out: dict[int, set[str]] = {}
+        for a in row["answers"]:
+            out.setdefault(a["prompt"], set()).add(a["text"])
+        return out
+
+    def rate(row: dict, prompts: set[int]) -> float:
+        chosen = [a for a in row["answers"] if a["prompt"] in prompts]
+        return sum(a["tokens"] for a in chosen) / max(sum(a["seconds"] for a in chosen), 1e-9)
+
+    print("\nSame text as macspec spec off (prompts answered alike / sent; a config whose repeats "
+          "differed counts as not alike):")
+    for c in levels:
+        base = texts(table["macspec spec off"][c])
+        alike = {name: {p for p, t in texts(rows[c]).items() if len(t) == 1 and t == base.get(p)}
+                 for name, rows in table.items()}
+        print(f"  c={c}: " + ", ".join(f"{name} {len(alike[name])}/{len(base)}" for name in table))
+        for peer in (n for n in ("mlx_lm.server", "mlx_lm.server draft") if n in table):
+            shared = alike[peer] & alike["macspec spec on"]
+            if shared:
+                ratio = rate(table["macspec spec on"][c], shared) / rate(table[peer][c], shared)
+                print(f"  c={c}: macspec spec on / {peer} on the {len(shared)} prompts both answer as spec "
+                      f"off: {ratio:.2f}x")
 
 
 def fixed_k_variant(entry: str) -> tuple[str, dict]:
@@ -149,6 +182,7 @@ def fixed_k_variant(entry: str) -> tuple[str, dict]:
 def mean_row(rows: list[dict]) -> dict:
     """Throughput averaged over the repeats (the other figures from the last one)."""
     row = dict(rows[-1])
+    row["answers"] = [a for r in rows for a in r["answers"]]
     row["tok_per_s_all"] = [r["tok_per_s"] for r in rows]
     row["tok_per_s"] = round(statistics.mean(row["tok_per_s_all"]), 1)
     return row
@@ -301,6 +335,8 @@ def main() -> None:
             print(f"| macspec on / {name} | " + " | ".join(
                 f"{table['macspec spec on'][c]['tok_per_s'] / max(table[name][c]['tok_per_s'], 1e-9):.2f}x"
                 for c in levels) + " |")
+    if not args.temperature:
+        print_same_text(table, levels)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(table, indent=2))
     shutil.rmtree(work, ignore_errors=True)
