@@ -148,8 +148,8 @@ def print_same_text(table: dict, levels: list[int]) -> None:
     tokens over their requests' seconds (their own time at c = 1, overlapped above it)."""
     def texts(row: dict) -> dict[int, set[str]]:
         out: dict[int, set[str]] = {}
-        for a in row["answers"]:
-            out.setdefault(a["prompt"], set()).add(a["text"])
+        for a in row["answers"]:  # mlx_lm.server streams the first token without its space
+            out.setdefault(a["prompt"], set()).add(a["text"].lstrip())
         return out
 
     def rate(row: dict, prompts: set[int]) -> float:
