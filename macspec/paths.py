@@ -55,14 +55,19 @@ def fresh_subdir(parent: Path, prefix: str, keep: int) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
 
 
+def read_json(path: Path) -> dict:
+    """The JSON object at `path`; {} when it is missing, unreadable or not an object."""
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return stored if isinstance(stored, dict) else {}
+
+
 def update_json(path: Path, change: Callable[[dict], dict], what: str, indent: int | None = None) -> None:
     """Write change(the JSON object at `path`) back atomically ({} when it is missing or
     unreadable). A failure is logged, never raised: these files are bookkeeping."""
-    try:
-        stored = json.loads(path.read_text()) if path.exists() else {}
-        stored = stored if isinstance(stored, dict) else {}
-    except (OSError, ValueError):
-        stored = {}
+    stored = read_json(path)
     try:
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(change(stored), indent=indent))

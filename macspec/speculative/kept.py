@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..paths import update_json
+from ..paths import read_json, update_json
 from .costs import StepCosts
 
 COSTS_FILE = "step-costs.json"  # in the cache dir
@@ -53,9 +53,8 @@ def _shapes(module) -> str:
 def load_costs(path: Path, key: str) -> dict[tuple[str, int, int], float] | None:
     """An earlier run's table for `key`, or None (no file, no entry, unreadable)."""
     try:
-        entry = json.loads(path.read_text()).get(key)
-        cells = {(str(c), int(b), int(w)): float(s) for c, b, w, s in entry["cells"]}
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        cells = {(str(c), int(b), int(w)): float(s) for c, b, w, s in read_json(path)[key]["cells"]}
+    except (ValueError, TypeError, KeyError):
         return None
     return {cell: s for cell, s in cells.items() if s > 0} or None
 
@@ -80,13 +79,10 @@ def pair_key(method: str, target: str, model: str | None, paired: bool) -> str:
 
 def load_priors(path: Path, keys: dict[str, str]) -> dict[str, list[float]]:
     """keys: method -> pair key; -> method -> alphas found in `path` (nothing when unreadable)."""
-    try:
-        stored = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+    stored = read_json(path)
     out = {}
     for method, key in keys.items():
-        alphas = stored.get(key) if isinstance(stored, dict) else None
+        alphas = stored.get(key)
         if isinstance(alphas, list) and alphas and all(isinstance(a, (int, float)) and 0 <= a <= 1
                                                        for a in alphas):
             out[method] = [float(a) for a in alphas]
