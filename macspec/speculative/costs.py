@@ -1,14 +1,17 @@
-"""What a decode step costs, measured: seconds per step by (chain, batch bucket, window), from the
-steps actually run, plain ones included. The number is the whole step (plan, drafting, target
-forward, verification, commit), so whatever a step really costs is in it: an MoE target's expert
-reads, a head's marginal cost, sampled rows, host work.
+"""What a decode step costs, measured: seconds per step by (chain, rows, window), from the steps
+actually run, plain ones included. The number is the whole step (plan, drafting, target forward,
+verification, commit), so whatever a step really costs is in it: an MoE target's expert reads, a
+head's marginal cost, sampled rows, host work. A cell is one row count, not a range: a batch
+draining from 16 rows to 9 costs ~25 % less a step, and a range priced those steps at its
+fuller ones (drafting while it drained read as a gain; tiny-wide, c = 16).
 
 `chain` names the proposers whose draft chain ran in the step ("" when none did: plain steps and
 lookup drafts); the window is k + 1 positions per row. Start-up calibration seeds cells; a seed
-stands until the first real step of its cell, and that step rescales its bucket's other seeds
-by how far it was off (calibration times the forward alone, not the host work). A cell nothing measured or seeded is read off its
-neighbours: linear in the window at its bucket, then linear in rows between buckets, flat beyond
-the measured range; a chain never timed costs what the forward alone does (so it gets tried).
+stands until the first real step of its cell, and that step rescales the other seeds at its row
+count by how far it was off (calibration times the forward alone, not the host work). A cell
+nothing measured or seeded is read off its neighbours: linear in the window at its row count,
+then linear in rows, flat beyond the measured range; a chain never timed costs what the forward
+alone does (so it gets tried).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ COST_MEMORY = 16.0  # steps a cell averages over: a step's noise (±15 % here) a
 
 
 def bucket(rows: int) -> int:
-    """Batch sizes sharing a cell: 1, 2, 3, 4 each, then up to the next power of two."""
+    """Batch sizes sharing a guard (policy.py) and a plain step's re-measurement: 1, 2, 3, 4
+    each, then up to the next power of two."""
     return rows if rows <= 4 else 1 << (rows - 1).bit_length()
 
 
@@ -41,25 +45,24 @@ class StepCosts:
         if not math.isfinite(seconds) or seconds <= 0:
             return  # a clock glitch must not poison the table
         self.clock += 1
-        b = bucket(rows)
-        cell = self.cells.get((chain, b, window))
+        cell = self.cells.get((chain, rows, window))
         if cell is None or not cell.steps:
-            if cell is not None:  # a seed's first real step: the bucket's other seeds lacked the
-                self._rescale_seeds(b, seconds / cell.seconds)  # same host work, say by as much
-            self.cells[(chain, b, window)] = Cell(seconds, 1.0, self.clock)
+            if cell is not None:  # a seed's first real step: the other seeds at its row count
+                self._rescale_seeds(rows, seconds / cell.seconds)  # lacked the same host work
+            self.cells[(chain, rows, window)] = Cell(seconds, 1.0, self.clock)
             return
         cell.steps = min(cell.steps + 1.0, COST_MEMORY)
         cell.seconds += (seconds - cell.seconds) / cell.steps
         cell.last = self.clock
 
     def seed(self, chain: str, rows: int, window: int, seconds: float) -> None:
-        cell = self.cells.get((chain, bucket(rows), window))
+        cell = self.cells.get((chain, rows, window))
         if cell is None or not cell.steps:
-            self.cells[(chain, bucket(rows), window)] = Cell(seconds)
+            self.cells[(chain, rows, window)] = Cell(seconds)
 
-    def _rescale_seeds(self, b: int, ratio: float) -> None:
-        for (_, bb, _), cell in self.cells.items():
-            if bb == b and not cell.steps:
+    def _rescale_seeds(self, rows: int, ratio: float) -> None:
+        for (_, r, _), cell in self.cells.items():
+            if r == rows and not cell.steps:
                 cell.seconds *= ratio
 
     def knows(self, chain: str) -> bool:
@@ -67,28 +70,28 @@ class StepCosts:
         return any(c == chain for c, _, _ in self.cells)
 
     def measured_since(self, rows: int) -> int | None:
-        """Steps since a plain step at this bucket was measured (None: never)."""
-        cell = self.cells.get(("", bucket(rows), 1))
-        return self.clock - cell.last if cell is not None and cell.steps else None
+        """Steps since a plain step was measured at this batch bucket (None: never)."""
+        lasts = [cell.last for (chain, r, window), cell in self.cells.items()
+                 if not chain and window == 1 and cell.steps and bucket(r) == bucket(rows)]
+        return self.clock - max(lasts) if lasts else None
 
     def seconds(self, chain: str, rows: int, window: int) -> float:
-        b = bucket(rows)
-        cell = self.cells.get((chain, b, window))
+        cell = self.cells.get((chain, rows, window))
         if cell is not None:
             return cell.seconds
-        by_bucket: dict[int, dict[int, float]] = {}
-        for (c, bb, w), known in self.cells.items():
+        by_rows: dict[int, dict[int, float]] = {}
+        for (c, r, w), known in self.cells.items():
             if c == chain:
-                by_bucket.setdefault(bb, {})[w] = known.seconds
-        value = _interpolate({bb: _interpolate(ws, window) for bb, ws in by_bucket.items()}, b)
+                by_rows.setdefault(r, {})[w] = known.seconds
+        value = _interpolate({r: _interpolate(ws, window) for r, ws in by_rows.items()}, rows)
         if value is None:
             return self.seconds("", rows, window) if chain else 1.0  # nothing measured: all alike
         return value
 
     def as_dict(self) -> dict:
         out: dict = {}
-        for (chain, b, window), cell in sorted(self.cells.items()):
-            out.setdefault(chain or "none", {}).setdefault(str(b), {})[str(window)] = \
+        for (chain, rows, window), cell in sorted(self.cells.items()):
+            out.setdefault(chain or "none", {}).setdefault(str(rows), {})[str(window)] = \
                 round(cell.seconds * 1e3, 3) if cell.steps else f"{cell.seconds * 1e3:.3f} (seed)"
         return out
 

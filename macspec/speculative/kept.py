@@ -22,7 +22,7 @@ from .costs import StepCosts
 
 COSTS_FILE = "step-costs.json"  # in the cache dir
 KEYS_KEPT = 32  # (models, settings, machine) entries; the least recently saved go first
-CACHE_SCHEMA = 1  # bump when what a cell means changes
+CACHE_SCHEMA = 2  # bump when what a cell means changes
 
 
 # ---- the step-cost table ---------------------------------------------------------------------

@@ -6,7 +6,8 @@ request's measured acceptance (acceptance.py), seconds from the step-cost table 
 drafting row takes all the k its window allows (min(W - 1, its k_max)): the window is paid for.
 
 Two measured promises bound it. A guard per (method, batch bucket) compares the committed tokens
-per second of that method's drafting steps with plain decoding's at that bucket: trailing by more
+per second of that method's last drafting steps with what plain decoding costs now at each step's
+own row count (a bucket spans rows; a plain step priced when a step ran goes stale): trailing by more
 than GUARD_MARGIN turns the method off there until a probe, after `interval` steps (doubling
 while probes lose), measures it winning; a method the plan leaves idle that long is probed too,
 and nothing is off before a probe measured it. And each request keeps its pace: one behind
@@ -16,7 +17,8 @@ does not draft pays the batch's window all the same).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from .acceptance import expected_tokens
 from .costs import StepCosts, bucket
@@ -25,10 +27,10 @@ GUARD_MARGIN = 0.03  # speculation may trail plain by this much before it stops:
 PROBE_STEPS = 4  # speculative steps a probe measures (a first trial too), at the best window >= 2
 GUARD_MEMORY = 64  # steps a guard's comparison spans (a stretch of hard text is not a loss), and
 # how often plain decoding is re-measured while speculating (today's load, not the calibration's)
+DECAY = 1.0 - 1.0 / GUARD_MEMORY
 EXPLORE_STEPS = 32  # the plan's runner-up once in this many steps (costs at most ~1/32 of a gap)
 VERDICT_STEPS = 16  # steps measured since a probe before the guard may turn a method off: a
 # 4-step verdict turned a head off in its hard stretches where it paid 1.2x overall (simulated)
-DECAY = 1.0 - 1.0 / GUARD_MEMORY
 
 
 @dataclass
@@ -44,8 +46,9 @@ class PlanRow:
 
 
 @dataclass
-class Ledger:
-    """Seconds plain decoding would have taken for some steps' tokens, and the seconds they took."""
+class Pace:
+    """One request's decode steps: the seconds plain decoding would have taken for its tokens, and
+    the seconds they took. A plain step is on pace (its noise is no one's loss)."""
 
     plain_s: float = 0.0
     spent_s: float = 0.0
@@ -53,11 +56,6 @@ class Ledger:
     @property
     def speedup(self) -> float | None:
         return self.plain_s / self.spent_s if self.spent_s > 0 else None
-
-
-@dataclass
-class Pace(Ledger):
-    """One request's decode steps. A plain step is on pace (its noise is no one's loss)."""
 
     @property
     def behind(self) -> bool:
@@ -69,13 +67,16 @@ class Pace(Ledger):
 
 
 @dataclass
-class Guard(Ledger):
-    """One method at one batch bucket: its drafting steps (decayed) against plain decoding."""
+class Guard:
+    """One method at one batch bucket: its drafting steps (decayed), as the tokens they committed
+    per row at each row count and the seconds they took, priced against plain decoding when read."""
 
     interval: int = 0  # steps before the next probe while off (or left idle by the plan)
     probe_left: int = PROBE_STEPS
     allowed: bool = True
     waited: int = 0  # steps it could have drafted here and did not
+    units: dict[int, float] = field(default_factory=dict)  # rows -> tokens committed per row
+    spent_s: float = 0.0
     steps: float = 0.0
 
     @property
@@ -86,7 +87,7 @@ class Guard(Ledger):
 
     def restart(self, probe: int = PROBE_STEPS) -> None:
         self.probe_left, self.waited = probe, 0
-        self.plain_s = self.spent_s = self.steps = 0.0
+        self.units, self.spent_s, self.steps = {}, 0.0, 0.0
 
 
 class Policy:
@@ -166,6 +167,8 @@ class Policy:
     # ---- a step's measurement ----------------------------------------------------------------
     def observe_step(self, rows: list[PlanRow], ks: list[int], seconds: float, tokens: list[int]) -> None:
         """The step just run: `seconds` from plan to commit, `tokens` each row committed."""
+        if not math.isfinite(seconds) or seconds <= 0:
+            return  # a clock glitch must not poison the table
         self.costs.observe(chain_of(rows, ks), len(rows), max(ks, default=0) + 1, seconds)
         plain_s = self.costs.seconds("", len(rows), 1)
         if self.costs.knows(""):  # else nothing to compare a request's steps with
@@ -174,7 +177,9 @@ class Policy:
                     row.pace.observe(committed, seconds, plain_s, speculative=any(ks))
         for method in {row.method for row, k in zip(rows, ks) if k and not row.fixed}:
             guard = self.guard(method, len(rows))
-            guard.plain_s = guard.plain_s * DECAY + sum(tokens) / len(rows) * plain_s
+            for r in guard.units:
+                guard.units[r] *= DECAY
+            guard.units[len(rows)] = guard.units.get(len(rows), 0.0) + sum(tokens) / len(rows)
             guard.spent_s = guard.spent_s * DECAY + seconds
             guard.steps += 1
             if guard.probe_left:
@@ -184,11 +189,19 @@ class Policy:
             elif guard.steps >= VERDICT_STEPS:
                 self._judge(guard, ended_probe=False)
 
+    def speedup(self, guard: Guard) -> float | None:
+        """Its steps' tokens at what a plain step costs now at each one's row count, over the
+        seconds they took (None: plain decoding never measured)."""
+        if not guard.spent_s or not self.costs.knows(""):
+            return None
+        return sum(units * self.costs.seconds("", rows, 1) for rows, units in guard.units.items()) / guard.spent_s
+
     def _judge(self, guard: Guard, ended_probe: bool) -> None:
         """A probe backs off (losing) or resets the interval and lets an off method back on; only
         the steps the plan chose to draft can turn a method off (a probe of a method the plan
         left idle measures a step it did not want)."""
-        losing = guard.speedup is not None and guard.speedup < 1.0 - GUARD_MARGIN
+        speedup = self.speedup(guard)
+        losing = speedup is not None and speedup < 1.0 - GUARD_MARGIN
         if ended_probe:
             guard.interval = min(2 * guard.interval, self.probe_steps[1]) if losing else self.probe_steps[0]
             guard.allowed = guard.allowed or not losing
@@ -201,7 +214,8 @@ class Policy:
         guard = self.guards.get((method, bucket(rows)))
         if guard is None:
             return "not measured yet"
-        measured = f"measured {guard.speedup:.2f}x plain" if guard.speedup else "not measured yet"
+        speedup = self.speedup(guard)
+        measured = f"measured {speedup:.2f}x plain" if speedup else "not measured yet"
         if guard.state in ("off", "idle"):
             why = "" if guard.state == "off" else " (no gain expected at the measured acceptance)"
             return (f"{guard.state} at batch {rows}: {measured}{why}; probed again within "
@@ -211,8 +225,9 @@ class Policy:
     def as_dict(self) -> dict:
         guards: dict = {}
         for (method, b), g in sorted(self.guards.items()):
+            speedup = self.speedup(g)
             guards.setdefault(method, {})[str(b)] = {
-                "state": g.state, "speedup": round(g.speedup, 3) if g.speedup else None,
+                "state": g.state, "speedup": round(speedup, 3) if speedup else None,
                 "probe_interval": g.interval}
         return {"step_ms": self.costs.as_dict(), "guards": guards}
 
