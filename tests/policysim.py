@@ -167,3 +167,32 @@ def burst(heads: list[str], tokens: int, k: int | None, seed: int = 0, k_max: in
 def compare_burst(heads: list[str], tokens: int = 64, seeds: int = 4) -> dict:
     return {name: sum(burst(heads, tokens, k, seed=s) for s in range(seeds)) / seeds
             for name, k in CONFIGS}
+
+
+def in_turn(table: str, heads: list[str], k: int | None, tokens: int = 128, requests: int = 16,
+            seed: int = 0, k_max: int = 4, noise: float = 0.1) -> tuple[float, dict[str, float]]:
+    """One row, requests one after another, their heads in turn (a method whose drafts land on
+    most requests and never on some). -> tokens per second, and each head's mean seconds a request."""
+    forward, chain = TABLES[table]
+    rng = random.Random(seed)
+    policy = Policy(probe_min_steps=64, probe_max_steps=4096)
+    for window in (1, 2, k_max + 1):
+        policy.costs.seed("", 1, window, forward[1][window - 1] / 1e3)
+        if window > 1:
+            policy.costs.seed("sim", 1, window, (forward[1][window - 1] + chain[1] * (window - 1)) / 1e3)
+    prior = Acceptance(memory=METHOD_MEMORY)
+    spent, total, seconds = 0.0, 0, {h: 0.0 for h in heads}
+    for r in range(requests):
+        head = heads[r % len(heads)]
+        estimate, pace, left, began = Acceptance(prior.alphas(1)[0]), Pace(), tokens, spent
+        while left > 0:
+            row = PlanRow("sim", min(k_max, left - 1), estimate.alphas(k_max), fixed=k is not None, pace=pace)
+            ks = [min(k, row.k_max)] if k is not None else policy.plan([row])
+            window = max(ks) + 1
+            step = (forward[1][window - 1] + chain[1] * (window - 1)) / 1e3 * (1.0 + rng.uniform(-noise, noise))
+            committed = _verify(rng, HEADS[head], ks[0], estimate, prior)
+            if k is None:
+                policy.observe_step([row], ks, step, [committed])
+            spent, total, left = spent + step, total + committed, left - committed
+        seconds[head] += (spent - began) / (requests / len(heads))
+    return total / spent, seconds
