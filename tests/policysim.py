@@ -189,7 +189,8 @@ def in_turn(table: str, heads: list[str], k: int | None, tokens: int = 128, requ
             row = PlanRow("sim", min(k_max, left - 1), estimate.alphas(k_max), fixed=k is not None, pace=pace)
             ks = [min(k, row.k_max)] if k is not None else policy.plan([row])
             window = max(ks) + 1
-            step = (forward[1][window - 1] + chain[1] * (window - 1)) / 1e3 * (1.0 + rng.uniform(-noise, noise))
+            step = (forward[1][window - 1] + chain[1] * (window - 1)) / 1e3
+            step *= 1.0 + rng.uniform(-noise, noise)
             committed = _verify(rng, HEADS[head], ks[0], estimate, prior)
             if k is None:
                 policy.observe_step([row], ks, step, [committed])

@@ -121,7 +121,8 @@ def test_drafting_while_a_batch_drains_is_priced_at_its_own_row_count():
         committed = [2, 2, 2, 1, 1, 1, 1, 1, 1] if any(ks) else [1] * 9  # 1.33 tokens a row
         policy.observe_step(drained, ks, 0.100 if any(ks) else 0.070, committed)
     assert sum(drafted[100:]) <= 8, (sum(drafted[100:]), policy.explain("m", 9))
-    assert re.match(r"(off|idle) at batch 9: measured 0\.9\dx plain", policy.explain("m", 9)), policy.explain("m", 9)
+    verdict = policy.explain("m", 9)
+    assert re.match(r"(off|idle) at batch 9: measured 0\.9\dx plain", verdict), verdict
 
 
 def test_a_fixed_k_request_is_honoured():

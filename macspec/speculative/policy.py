@@ -194,7 +194,8 @@ class Policy:
         seconds they took (None: plain decoding never measured)."""
         if not guard.spent_s or not self.costs.knows(""):
             return None
-        return sum(units * self.costs.seconds("", rows, 1) for rows, units in guard.units.items()) / guard.spent_s
+        plain_s = sum(units * self.costs.seconds("", rows, 1) for rows, units in guard.units.items())
+        return plain_s / guard.spent_s
 
     def _judge(self, guard: Guard, ended_probe: bool) -> None:
         """A probe backs off (losing) or resets the interval and lets an off method back on; only
