@@ -60,6 +60,26 @@ class Stream:
         return base
 
 
+def step_seconds(table: str, size: int, window: int, chained: bool = True) -> float:
+    """A step's seconds on `table` at batch `size`: the forward of `window` positions, plus the
+    draft chain's window - 1 steps when `chained`."""
+    forward, chain = TABLES[table]
+    if not chained:
+        return forward[size][window - 1] / 1e3
+    return (forward[size][window - 1] + chain[size] * (window - 1)) / 1e3
+
+
+def seeded_policy(table: str, size: int, rows: int, k_max: int, bias: float = 1.0) -> Policy:
+    """A policy whose table a calibration seeded at `rows`, windows 1, 2 and k_max + 1 (the
+    forward alone, and with the chain), each `bias` too high."""
+    policy = Policy(probe_min_steps=64, probe_max_steps=4096)
+    for window in (1, 2, k_max + 1):
+        policy.costs.seed("", rows, window, step_seconds(table, size, window, chained=False) * bias)
+        if window > 1:
+            policy.costs.seed("sim", rows, window, step_seconds(table, size, window) * bias)
+    return policy
+
+
 def run(table: str, rows: int, stream: Stream, k: int | None, steps: int = 400, seed: int = 0,
         k_max: int = 4, noise: float = 0.1, calibration_bias: float = 1.3,
         tokens: int | None = None) -> float:
@@ -68,15 +88,9 @@ def run(table: str, rows: int, stream: Stream, k: int | None, steps: int = 400, 
     policy's table starts from a calibration that read every cell `calibration_bias` too high
     (measured under load). `tokens`: each row's request ends after that many, and a new one takes
     its row, starting from the prior (None: one request a row)."""
-    forward, chain = TABLES[table]
-    size = min(forward, key=lambda b: abs(b - rows))
+    size = min(TABLES[table][0], key=lambda b: abs(b - rows))
     rng = random.Random(seed)
-    policy = Policy(probe_min_steps=64, probe_max_steps=4096)
-    for window in (1, 2, k_max + 1):
-        policy.costs.seed("", rows, window, forward[size][window - 1] / 1e3 * calibration_bias)
-        if window > 1:
-            cost = (forward[size][window - 1] + chain[size] * (window - 1)) / 1e3
-            policy.costs.seed("sim", rows, window, cost * calibration_bias)
+    policy = seeded_policy(table, size, rows, k_max, calibration_bias)
     prior = Acceptance(memory=METHOD_MEMORY)
     estimates = [Acceptance(prior.alphas(1)[0]) for _ in range(rows)]
     states: list[dict] = [{} for _ in range(rows)]
@@ -90,8 +104,7 @@ def run(table: str, rows: int, stream: Stream, k: int | None, steps: int = 400, 
         else:
             ks = policy.plan(plan_rows)
         window = max(ks) + 1
-        seconds = (forward[size][window - 1] + (chain[size] * (window - 1))) / 1e3
-        seconds *= 1.0 + rng.uniform(-noise, noise)
+        seconds = step_seconds(table, size, window) * (1.0 + rng.uniform(-noise, noise))
         committed = [_verify(rng, stream.alphas(rng, step, steps, states[i]), ks[i], estimates[i], prior)
                      for i in range(rows)]
         if k is None:
@@ -173,13 +186,8 @@ def in_turn(table: str, heads: list[str], k: int | None, tokens: int = 128, requ
             seed: int = 0, k_max: int = 4, noise: float = 0.1) -> tuple[float, dict[str, float]]:
     """One row, requests one after another, their heads in turn (a method whose drafts land on
     most requests and never on some). -> tokens per second, and each head's mean seconds a request."""
-    forward, chain = TABLES[table]
     rng = random.Random(seed)
-    policy = Policy(probe_min_steps=64, probe_max_steps=4096)
-    for window in (1, 2, k_max + 1):
-        policy.costs.seed("", 1, window, forward[1][window - 1] / 1e3)
-        if window > 1:
-            policy.costs.seed("sim", 1, window, (forward[1][window - 1] + chain[1] * (window - 1)) / 1e3)
+    policy = seeded_policy(table, 1, 1, k_max)
     prior = Acceptance(memory=METHOD_MEMORY)
     spent, total, seconds = 0.0, 0, {h: 0.0 for h in heads}
     for r in range(requests):
@@ -188,9 +196,7 @@ def in_turn(table: str, heads: list[str], k: int | None, tokens: int = 128, requ
         while left > 0:
             row = PlanRow("sim", min(k_max, left - 1), estimate.alphas(k_max), fixed=k is not None, pace=pace)
             ks = [min(k, row.k_max)] if k is not None else policy.plan([row])
-            window = max(ks) + 1
-            step = (forward[1][window - 1] + chain[1] * (window - 1)) / 1e3
-            step *= 1.0 + rng.uniform(-noise, noise)
+            step = step_seconds(table, 1, max(ks) + 1) * (1.0 + rng.uniform(-noise, noise))
             committed = _verify(rng, HEADS[head], ks[0], estimate, prior)
             if k is None:
                 policy.observe_step([row], ks, step, [committed])
