@@ -59,6 +59,14 @@ def test_never_slower_and_near_the_best_fixed_k_everywhere(table, rows, head, sh
     assert_policy_holds(table, rows, Stream(head, shape))
 
 
+def test_sixteen_requests_that_accept_alike_draft_through_one_unlucky_start():
+    """16 rows, each request 64 tokens and then the next: among 16, one often starts with a run
+    of rejections, falls behind its pace and, judged on its own evidence alone, vetoes every
+    row's window. Requests that accept alike make that run luck: 0.93x k = 1 before, when a
+    start weighed a fixed 3 observations."""
+    assert_policy_holds("tiny-wide", 16, Stream("good"), tokens=64)
+
+
 @pytest.mark.parametrize("table", list(TABLES))
 def test_a_request_whose_drafts_never_land_among_ones_whose_do(table):
     """Requests in turn, every fourth one useless to its draft: the method's prior says drafting

@@ -8,7 +8,7 @@ then commits E(k) = 1 + a_1 + a_1·a_2 + ... tokens on average.
 from __future__ import annotations
 
 ALPHA_PRIOR = 0.7  # a position nothing has measured: optimistic, so that drafting is tried
-PRIOR_TRIALS = 3.0  # what a start weighs, in observations: the first real ones move it at once
+PRIOR_TRIALS = 3.0  # the least a start weighs, in observations: the first real ones move it at once
 REQUEST_MEMORY = 16.0  # steps a request's estimate averages over (a stretch, not a word)
 METHOD_MEMORY = 200.0  # observations a method's prior across requests averages over
 
@@ -34,12 +34,14 @@ class Acceptance:
     again each time aging lifts its estimate back over break-even a*, on ~PRIOR_TRIALS
     (start / a* - 1) / memory of its steps. At the full rate a tiny-wide prompt (start 0.75,
     a* 0.15) decoded 12 % slower than plain through serve; at half, 7 % simulated, and through
-    serve that prompt took 0.98x plain's time."""
+    serve that prompt took 0.98x plain's time. What the start weighs (`weight`) is measured across
+    requests: see share_weight()."""
 
     def __init__(self, start: float | None = None, memory: float = REQUEST_MEMORY):
         self.start = ALPHA_PRIOR if start is None else start
         self.decay = 1.0 - 1.0 / memory
         self.idle_decay = 1.0 - 0.5 / memory
+        self.weight = PRIOR_TRIALS  # the start's pseudo-trials
         self.hits: list[float] = []
         self.trials: list[float] = []
 
@@ -48,7 +50,7 @@ class Acceptance:
         for i in range(depth):
             hits, trials = (self.hits[i], self.trials[i]) if i < len(self.trials) else (0.0, 0.0)
             pseudo = out[-1] if out else self.start
-            out.append((hits + pseudo * PRIOR_TRIALS) / (trials + PRIOR_TRIALS))
+            out.append((hits + pseudo * self.weight) / (trials + self.weight))
         return out
 
     def observe(self, drafted: int, accepted: int) -> None:
@@ -74,3 +76,24 @@ def observe_step(estimates: dict[str, Acceptance], kind: str | None, drafted: in
             estimate.observe(drafted, accepted)
         else:
             estimate.observe(0, 0)
+
+
+def share_weight(estimates: list[Acceptance]) -> None:
+    """Shrink these requests' estimates (one method's live requests, one draft kind) toward what
+    they accept together, by as much as they are alike, as empirical Bayes does: each one's start
+    becomes their pooled first-position acceptance, weighing up to REQUEST_MEMORY pseudo-trials
+    (its own evidence's most) where they accept alike, so a run of rejections is one request's
+    luck, and PRIOR_TRIALS where they differ, so its own evidence rules at once. A fixed 3 at 16
+    rows let one unlucky request fall below break-even and veto every row's window (policy.py's
+    pace): adaptive read 0.93x k = 1 (simulated). A request counts once its own evidence weighs
+    as much as the least start; a spread needs two."""
+    measured = [(e.hits[0], e.trials[0]) for e in estimates if e.trials and e.trials[0] >= PRIOR_TRIALS]
+    if len(measured) < 2:
+        return
+    mean = sum(h for h, _ in measured) / sum(t for _, t in measured)
+    spread = sum((h / t - mean) ** 2 for h, t in measured) / len(measured)
+    luck = sum(mean * (1.0 - mean) / t for _, t in measured) / len(measured)  # binomial noise
+    between = spread - luck
+    weight = REQUEST_MEMORY if between <= 0 else mean * (1.0 - mean) / between - 1.0
+    for estimate in estimates:
+        estimate.start, estimate.weight = mean, min(REQUEST_MEMORY, max(PRIOR_TRIALS, weight))

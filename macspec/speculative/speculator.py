@@ -19,10 +19,12 @@ import mlx.core as mx
 from .. import faults, proposers
 from ..faults import SpecFaults
 from ..sampling import RowContext
-from .acceptance import ALPHA_PRIOR, METHOD_MEMORY, Acceptance, observe_step
+from .acceptance import ALPHA_PRIOR, METHOD_MEMORY, Acceptance, observe_step, share_weight
 from .base import ChainRow, Drafts, Offer, ProposerGroup
 from .policy import Pace, PlanRow, Policy
 from .stats import SpecStats
+
+LOOKUP_KINDS = ("own", "recent")  # draft kinds a lookup's match finds (base.Offer.kind)
 
 
 @dataclass
@@ -83,7 +85,7 @@ class Speculator:
         group = self.group(method)
         starts = {} if isolated else {kind: prior.alphas(1)[0]
                                       for (m, kind), prior in self.priors.items() if m == method}
-        for kind in ("own", "recent"):  # a lookup kind's record is the request's own: an edit
+        for kind in LOOKUP_KINDS:  # a lookup kind's record is the request's own: an edit
             if kind in starts:  # restates where a chat never did, so each request tries afresh
                 starts[kind] = max(starts[kind], ALPHA_PRIOR)
         return Record(method, group, 0 if group is None else k_max, adaptive, {}, starts)
@@ -101,11 +103,25 @@ class Speculator:
         for seq in seqs:
             self._orphaned(seq)
         self._retain(seqs)
+        self.guarded("acceptance", self._share_weights, seqs)
         self.step_rows = [self._plan_row(seq, max_context) for seq in seqs]
         ks = self.guarded("plan", self.policy.plan, self.step_rows)
         if ks is None or len(ks) != len(seqs):
             return [0] * len(seqs)
         return [min(max(0, int(k)), row.k_max) for k, row in zip(ks, self.step_rows)]
+
+    def _share_weights(self, seqs: list) -> None:
+        """Each method's adaptive requests shrink toward what they accept together, per draft kind
+        (acceptance.share_weight). A fixed-k request (a seeded one) keeps its own, and so does a
+        lookup's: its matches are its own context's."""
+        estimates: dict[tuple[str, str], list[Acceptance]] = {}
+        for seq in seqs:
+            if seq.spec.adaptive:
+                for kind, estimate in seq.spec.acceptance.items():
+                    if kind not in LOOKUP_KINDS:
+                        estimates.setdefault((seq.spec.method, kind), []).append(estimate)
+        for group in estimates.values():
+            share_weight(group)
 
     def _plan_row(self, seq, max_context: int) -> PlanRow:
         record = seq.spec
