@@ -41,7 +41,7 @@ class Acceptance:
         self.start = ALPHA_PRIOR if start is None else start
         self.decay = 1.0 - 1.0 / memory
         self.idle_decay = 1.0 - 0.5 / memory
-        self.weight = PRIOR_TRIALS  # the start's pseudo-trials
+        self.weight = PRIOR_TRIALS  # the start's pseudo-trials (a deeper position's weigh PRIOR_TRIALS)
         self.hits: list[float] = []
         self.trials: list[float] = []
 
@@ -49,8 +49,8 @@ class Acceptance:
         out: list[float] = []
         for i in range(depth):
             hits, trials = (self.hits[i], self.trials[i]) if i < len(self.trials) else (0.0, 0.0)
-            pseudo = out[-1] if out else self.start
-            out.append((hits + pseudo * self.weight) / (trials + self.weight))
+            pseudo, weight = (out[-1], PRIOR_TRIALS) if out else (self.start, self.weight)
+            out.append((hits + pseudo * weight) / (trials + weight))
         return out
 
     def observe(self, drafted: int, accepted: int) -> None:
