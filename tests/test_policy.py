@@ -17,7 +17,7 @@ from macspec.models.loader import load_model, resolve_path
 from macspec.sampling import SamplingParams
 from macspec.speculative.acceptance import Acceptance
 from macspec.speculative.costs import StepCosts
-from macspec.speculative.policy import PlanRow, Policy
+from macspec.speculative.policy import Pace, PlanRow, Policy
 
 from .conftest import generate, heldout_prompts
 from .modeldirs import random_copy_of_embedded
@@ -93,6 +93,20 @@ def test_a_burst_whose_requests_draft_unequally_is_never_slower(heads):
     best = max(max(rates.values()), plain)
     summary = {k: round(v / plain, 3) for k, v in rates.items()} | {"adaptive": round(adaptive / plain, 3)}
     assert adaptive >= NEVER_SLOWER * plain and adaptive >= NEAR_BEST * best, (heads, summary)
+
+
+def test_a_request_behind_its_pace_holds_the_window_and_status_counts_it():
+    """A plain request behind its pace on a server whose other request drafts well: the window
+    would pay the batch, but it would slow that request further, so the step is plain, and
+    /v1/status counts the steps the per-request promise held."""
+    policy = Policy(probe_min_steps=64, probe_max_steps=4096)
+    for _ in range(4):
+        policy.observe_step([PlanRow("m", 0, [])] * 2, [0, 0], 0.010, [1, 1])
+    policy.costs.seed("m", 2, 2, 0.013)
+    behind, drafting = Pace(plain_s=0.10, spent_s=0.12), PlanRow("m", 1, [0.95])
+    assert policy.plan([drafting, PlanRow("none", 0, [], pace=behind)]) == [0, 0]
+    assert policy.as_dict()["steps_held_by_pace"] == 1
+    assert policy.plan([drafting, PlanRow("none", 0, [], pace=Pace())]) == [1, 0]  # on pace: drafts
 
 
 def test_a_useless_proposer_is_measured_first_then_stops_drafting():

@@ -95,6 +95,7 @@ class Policy:
         self.costs = StepCosts()
         self.guards: dict[tuple[str, int], Guard] = {}
         self.probe_steps = (probe_min_steps, max(probe_min_steps, probe_max_steps))
+        self.held_by_pace = 0  # steps whose best window a request behind its pace vetoed
 
     def guard(self, method: str, rows: int) -> Guard:
         key = (method, bucket(rows))
@@ -114,7 +115,7 @@ class Policy:
         guards = {m: self.guard(m, len(rows)) for m in free}
         must = [m for m in free if guards[m].probe_left]
         allowed = [m for m in free if guards[m].allowed or guards[m].probe_left]
-        ranked = []
+        ranked, vetoed = [], 0.0
         # A probe runs the plan's best window of at least 2: one a request behind its pace
         # would lose waits for that request to leave (the probe measures, it does not promise).
         for window in range(2 if must else 1, max(row.k_max for row in rows) + 2):
@@ -125,9 +126,11 @@ class Policy:
                 ks = [f if row.fixed else min(window - 1, row.k_max) if row.method in on else 0
                       for f, row in zip(fixed, rows)]
                 if window > 1 and self._slows_a_lagging_row(rows, ks):
+                    vetoed = max(vetoed, self.expected_rate(rows, ks))
                     continue
                 ranked.append((self.expected_rate(rows, ks), -len(ranked), ks))
         ranked.sort(reverse=True)
+        self.held_by_pace += vetoed > (ranked[0][0] if ranked else 0.0)  # what the promise costs
         # Now and then, while drafting, the runner-up once: its cell and deeper drafts measured
         # again (a cell measured once, high by noise, or a position rejected once would stand).
         explore = (len(ranked) > 1 and self.costs.clock % EXPLORE_STEPS == EXPLORE_STEPS - 1
@@ -230,7 +233,7 @@ class Policy:
             guards.setdefault(method, {})[str(b)] = {
                 "state": g.state, "speedup": round(speedup, 3) if speedup else None,
                 "probe_interval": g.interval}
-        return {"step_ms": self.costs.as_dict(), "guards": guards}
+        return {"step_ms": self.costs.as_dict(), "guards": guards, "steps_held_by_pace": self.held_by_pace}
 
 
 def chain_of(rows: list[PlanRow], ks: list[int]) -> str:
