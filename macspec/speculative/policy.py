@@ -95,7 +95,7 @@ class Policy:
         self.costs = StepCosts()
         self.guards: dict[tuple[str, int], Guard] = {}
         self.probe_steps = (probe_min_steps, max(probe_min_steps, probe_max_steps))
-        self.held_by_pace = 0  # steps whose best window a request behind its pace vetoed
+        self.held_by_pace = 0  # steps whose best window (or due probe) a lagging request vetoed
 
     def guard(self, method: str, rows: int) -> Guard:
         key = (method, bucket(rows))
