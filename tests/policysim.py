@@ -196,7 +196,6 @@ def in_turn(table: str, heads: list[str], k: int | None, tokens: int = 128, requ
         head = heads[r % len(heads)]
         estimate, pace, left, began = Acceptance(prior.alphas(1)[0]), Pace(), tokens, spent
         while left > 0:
-            share_weight([estimate])
             row = PlanRow("sim", min(k_max, left - 1), estimate.alphas(k_max), fixed=k is not None, pace=pace)
             ks = [min(k, row.k_max)] if k is not None else policy.plan([row])
             step = step_seconds(table, 1, max(ks) + 1) * (1.0 + rng.uniform(-noise, noise))

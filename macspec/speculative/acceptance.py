@@ -95,5 +95,6 @@ def share_weight(estimates: list[Acceptance]) -> None:
     luck = sum(mean * (1.0 - mean) / t for _, t in measured) / len(measured)  # binomial noise
     between = spread - luck
     weight = REQUEST_MEMORY if between <= 0 else mean * (1.0 - mean) / between - 1.0
+    weight = min(REQUEST_MEMORY, max(PRIOR_TRIALS, weight))
     for estimate in estimates:
-        estimate.start, estimate.weight = mean, min(REQUEST_MEMORY, max(PRIOR_TRIALS, weight))
+        estimate.start, estimate.weight = mean, weight

@@ -125,10 +125,11 @@ class Policy:
                     continue
                 ks = [f if row.fixed else min(window - 1, row.k_max) if row.method in on else 0
                       for f, row in zip(fixed, rows)]
+                rate = self.expected_rate(rows, ks)
                 if window > 1 and self._slows_a_lagging_row(rows, ks):
-                    vetoed = max(vetoed, self.expected_rate(rows, ks))
+                    vetoed = max(vetoed, rate)
                     continue
-                ranked.append((self.expected_rate(rows, ks), -len(ranked), ks))
+                ranked.append((rate, -len(ranked), ks))
         ranked.sort(reverse=True)
         self.held_by_pace += vetoed > (ranked[0][0] if ranked else 0.0)  # what the promise costs
         # Now and then, while drafting, the runner-up once: its cell and deeper drafts measured
