@@ -9,15 +9,17 @@ the distinct experts B·W tokens touch; dense targets read the same weights for 
 Rows and windows are held-out code (the forge's held-out stdlib files), so an MoE target routes
 as it does on text. --routing picks tiny-moe's router (built:tiny-moe or
 built:tiny-moe-independent) and prints the routing's statistics. --paths instead compares,
-forward by forward on the same rows, the engine's MoE path (models/expert_union.py: each
-distinct expert read once per step) with mlx-lm's, against the bytes floor: (non-expert bytes
-+ the distinct experts' bytes) ÷ one token's.
+forward by forward on the same rows, the engine's MoE path (models/expert_union.py: a step's
+pairs sorted by expert, or stacked per expert from STACK_FROM pairs per expert) with mlx-lm's
+and with stacking at every size, against the bytes floor: (non-expert bytes + the distinct
+experts' bytes) ÷ one token's.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from contextlib import nullcontext
 import sys
 from pathlib import Path
 
@@ -34,6 +36,8 @@ from macspec.engine.runtime import Runtime  # noqa: E402
 from macspec import corpus  # noqa: E402
 from macspec.models import expert_union  # noqa: E402
 from macspec.models.textconfig import moe_shape  # noqa: E402
+
+PATHS = ("mlx-lm", "engine", "stacked")
 
 ROUTED = {"trained": "built:tiny-moe", "independent": "built:tiny-moe-independent"}
 
@@ -128,35 +132,40 @@ def routing_stats(runtime: Runtime) -> str:
             "distinct experts per window of " + ", ".join(f"{w}: {d:.1f}" for w, d in windows.items()))
 
 
+def taking(path: str):
+    """A forward through one MoE path: mlx-lm's own, the engine's choice, or stacked at any size."""
+    if path == "mlx-lm":
+        return expert_union.mlx_lm_path()
+    return expert_union.forced("stacked") if path == "stacked" else nullcontext()
+
+
 def path_comparison(runtime: Runtime, rows: list[int], windows: list[int], repeats: int) -> None:
-    """The engine's path and mlx-lm's, alternating forward by forward on the same rows (this
-    machine's load drifts), with the bytes floor from the experts each forward routed to."""
+    """The engine's path, mlx-lm's and stacking, in turn forward by forward on the same rows
+    (this machine's load drifts), with the bytes floor from the experts each forward routed to."""
     runner = TargetRunner(runtime.view)
     routes = Routes(runtime.target.model)
     other, expert = bytes_per_token(runtime)
     layers = routes.layers
-    print("| B | W | distinct experts/layer | mlx-lm (ms) | union (ms) | union ÷ mlx-lm "
-          "| floor ÷ B·1 | mlx-lm ÷ B·1 | union ÷ B·1 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| B | W | distinct experts/layer | mlx-lm (ms) | engine (ms) | stacked (ms) | engine ÷ mlx-lm "
+          "| floor ÷ B·1 | mlx-lm ÷ B·1 | engine ÷ B·1 | stacked ÷ B·1 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for b in rows:
         text = text_rows(runtime.tokenizer, b, 16 + max(windows))
         base = None
         for w in windows:
-            times: dict[str, list[float]] = {"mlx-lm": [], "union": []}
-            for i in range(2 * repeats + 2):
-                path = ("mlx-lm", "union")[i % 2]
-                if path == "mlx-lm":
-                    with expert_union.mlx_lm_path():
-                        times[path] += runner.time_forward(b, w, 2, text[:, :16 + w])[1:]
-                else:
+            times: dict[str, list[float]] = {p: [] for p in PATHS}
+            for i in range(len(PATHS) * (repeats + 1)):
+                path = PATHS[i % len(PATHS)]
+                with taking(path):
                     times[path] += runner.time_forward(b, w, 2, text[:, :16 + w])[1:]
             distinct = routes.distinct()
-            plain, union = (statistics.median(times[p][1:]) for p in ("mlx-lm", "union"))
+            plain, engine, stacked = (statistics.median(times[p][1:]) for p in PATHS)
             floor_bytes = other + distinct * layers * expert  # what the step must read
             if base is None:  # W = 1 at this B: the reference each ratio divides by
                 base = (plain, floor_bytes)
-            print(f"| {b} | {w} | {distinct:.1f} | {plain * 1e3:.2f} | {union * 1e3:.2f} | {union / plain:.2f} "
-                  f"| {floor_bytes / base[1]:.2f} | {plain / base[0]:.2f} | {union / base[0]:.2f} |", flush=True)
+            print(f"| {b} | {w} | {distinct:.1f} | {plain * 1e3:.2f} | {engine * 1e3:.2f} | {stacked * 1e3:.2f} "
+                  f"| {engine / plain:.2f} | {floor_bytes / base[1]:.2f} | {plain / base[0]:.2f} "
+                  f"| {engine / base[0]:.2f} | {stacked / base[0]:.2f} |", flush=True)
 
 
 def main() -> None:
@@ -181,7 +190,7 @@ def main() -> None:
                 print(f"\n{label}: {routing_stats(runtime)}")
             if args.paths:
                 if moe:
-                    print(f"\n### {label}: the engine's path vs mlx-lm's (median ms of {args.repeats} alternating forwards each)\n")
+                    print(f"\n### {label}: the engine's path, mlx-lm's and stacking (median ms of {args.repeats} forwards each, in turn)\n")
                     path_comparison(runtime, rows, windows, args.repeats)
                 continue
             s = surface(runtime, rows, windows, args.repeats)

@@ -12,7 +12,7 @@ until --budget-s runs out:
             the fraction of bandwidth it reaches (bytes read per token x tok/s / bandwidth) on
             tiny-wide, tiny-moe and a widened dense target (--big-hidden)
   surface   the verify cost surface: forward time for B rows x W positions ÷ W = 1, dense vs MoE
-            (MoE: the engine's expert union vs mlx-lm's path, bfloat16 and 4-bit experts)
+            (MoE: the engine's path, mlx-lm's, and the sorted and stacked groupings; bfloat16 and 4-bit experts)
   prefill   a prompt's prefill (tiny-wide) through the unfused attention vs MLX's kernel (cuDNN on
             CUDA: one graph per new shape), for prompt lengths seen for the first time and again
   overhead  in-process on tiny, batch 1 and 16: tok/s of each proposer at fixed k = 0 (its
@@ -249,9 +249,9 @@ def phase_surface(args) -> dict:
     windows = [1, 2, 4] if args.smoke else [1, 2, 3, 4, 6, 8]
     repeats = 2 if args.smoke else 7
     out = {"rows": rows_list, "windows": windows, "repeats": repeats, "tables": {}}
-    variants = [("tiny-wide", None, {"engine": None}),
-                ("tiny-moe", None, {"union": None, "mlx-lm": expert_union.mlx_lm_path}),
-                ("tiny-moe", 4, {"union": None, "mlx-lm": expert_union.mlx_lm_path})]
+    moe_paths = {"engine": None, "mlx-lm": expert_union.mlx_lm_path,  # the engine keeps mlx-lm's on CUDA
+                 "sorted": lambda: expert_union.forced("sorted"), "stacked": lambda: expert_union.forced("stacked")}
+    variants = [("tiny-wide", None, {"engine": None}), ("tiny-moe", None, moe_paths), ("tiny-moe", 4, moe_paths)]
     for profile, bits, paths in variants:
         runtime = runtime_for(profile)
         if bits:

@@ -19,9 +19,10 @@ def routing(tokens: int, seed: int) -> mx.array:
     return mx.array(np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(tokens)]).astype(np.uint32))
 
 
+@pytest.mark.parametrize("grouping", ["sorted", "stacked"])
 @pytest.mark.parametrize("bits", [None, 4])
 @pytest.mark.parametrize("shape", [(1, 2), (2, 4), (4, 8), (1, 70)])
-def test_union_computes_what_mlx_lm_computes(bits, shape):
+def test_groupings_compute_what_mlx_lm_computes(grouping, bits, shape):
     glu = SwitchGLU(D, H, EXPERTS)
     if bits:
         nn.quantize(glu, group_size=32, bits=bits)
@@ -30,10 +31,21 @@ def test_union_computes_what_mlx_lm_computes(bits, shape):
     indices = routing(shape[0] * shape[1], shape[1]).reshape(*shape, TOP_K)
     with expert_union.mlx_lm_path():
         reference = glu(x, indices)
-    # (Quantized experts take this path on Metal only; here it is called directly.)
-    # A gemm row and a gemv may round differently (~1e-7 here; a dense layer's rows differ by
-    # ~1e-5 between one position and a window): the same arithmetic, not the same bits.
-    assert mx.allclose(expert_union.union_glu(glu, x, indices), reference, rtol=1e-5, atol=1e-6)
+    # (Quantized experts take these paths on Metal only; here they are called directly.)
+    # A gemm row and a gemv, or one matvec kernel and another, may round differently (~1e-7 here;
+    # a dense layer's rows differ by ~1e-5 between one position and a window).
+    grouped = expert_union.GROUPINGS[grouping](glu, x, indices)
+    assert mx.allclose(grouped, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_groups_by_its_size():
+    glu = SwitchGLU(D, H, EXPERTS)
+    one, window, chunk = (routing(n, 0) for n in (1, 4, 8 * EXPERTS))
+    assert expert_union.path(glu, one) is None  # plain decoding at one row: mlx-lm's own path
+    assert expert_union.path(glu, window) == "sorted"  # a verify window: cached matvecs
+    assert expert_union.path(glu, chunk) == "stacked"  # a prefill chunk: one gemm per expert
+    with expert_union.mlx_lm_path():
+        assert expert_union.path(glu, window) is None
 
 
 def test_layout_reads_each_expert_once():

@@ -1,42 +1,51 @@
 """Each distinct expert read once per step: the MoE layers of a multi-token forward (a verify
-window, a batch of rows) grouped by expert.
+window, a batch of rows, a prefill chunk) grouped by expert.
 
-mlx-lm's `SwitchGLU` groups a step's (token, expert) pairs by expert only from 64 pairs; below
-that every pair is its own gather (MLX's CPU `gather_mm` reads the expert's weights again for each
-pair, and Metal's `gather_qmm` reuses them across rows only from 4 rows per expert), so an expert
-that two positions of a window share is read twice. Here the step's distinct experts are found on
-the host, each expert's tokens are stacked into one block of rows (padded to the busiest
-expert's count), and every projection is one gather whose batch entry is an expert: its weights
-are read once for all its rows. The result is laid back out per (token, slot) exactly as
-mlx-lm's, so the caller's gate-weighted sum over slots is unchanged.
-
-One switch (the profile's `model.expert_union`, on by default) routes `SwitchGLU.__call__` here
-for steps of MIN_TOKENS tokens or more, prefill chunks included (on this CPU mlx-lm's sorted
-path, from 64 pairs, reads the expert per pair too: 2,048 tokens took 5.0 s there, 0.55 s here);
-one token (plain decoding at one row) stays on mlx-lm's path: nothing to share. So do quantized
-experts on the CPU backend, where MLX's quantized matmul of stacked rows is slower than its
-per-pair matvecs (4-bit tiny-moe: 1.4-2.2x); on Metal stacked rows take `qmm`, which reads an
-expert once per block of rows (from MLX's kernel selection; not measured here). On CUDA the
-layout's host round trip drains the GPU's queue once per MoE layer: on an H200 tiny-moe's
-2-token window took 5.9 ms through here against 2.5 ms on mlx-lm's path, and 4 or 16 rows
-6.7-8.0 ms against 3.6-4.2 (docs/benchmarks.md, "On an NVIDIA GPU"), so CUDA keeps mlx-lm's
-path. Metal's queue drains the same way; whether its saved reads pay for it is not measured.
+mlx-lm's `SwitchGLU` sorts a step's (token, expert) pairs by expert only from 64 pairs; below
+that each pair is its own gather in routing order, so an expert that two positions of a window
+share is read twice from memory (MLX's CPU `gather_mm` is one matvec per pair; Metal's
+`gather_qmm` reuses weights across rows only from 4 rows per expert). Two groupings, each where
+it measured best on this CPU (tiny-moe's MoE layers, float32, 2026-11-27):
+- **sorted** (a verify window, a decode batch): the pairs sorted by expert in the graph, then
+  mlx-lm's per-pair matvecs in that order, so an expert's later pairs find its weights in cache.
+  No host round trip. A 4-token window: 0.79x mlx-lm's forward, under the bytes floor.
+- **stacked** (prefill; from STACK_FROM pairs per expert on average): the distinct experts found on
+  the host, each expert's tokens stacked into one block of rows (padded to the busiest expert's
+  count) and every projection one gemm per expert. A gemm of a few rows costs more here than as
+  many cached matvecs (a 4-token window: 1.3x sorted), plus a host round trip per layer; from
+  ~32 rows per expert the gemm wins (256 and 512 tokens: 0.78x sorted).
+Both lay the result out per (token, slot) exactly as mlx-lm's, so the caller's gate-weighted sum
+is unchanged. One switch (the profile's `model.expert_union`, on by default) routes
+`SwitchGLU.__call__` here for steps of 2 tokens or more; one token (plain decoding at one row)
+stays on mlx-lm's path. Quantized experts on the CPU backend stay there too: MLX's CPU quantized
+matvec is compute-bound (sorting gains nothing: 4-bit, 0.99-1.02x) and its stacked `qmm` is slower
+(1.4-2.2x). On Metal the stacked rows take `qmm`/`gather_mm`, which read an expert once per block
+of rows (from MLX's kernel selection; not measured here), so Metal stacks every multi-token step.
+On CUDA the stacked layout's host round trip drains the GPU's queue once per MoE layer: on an H200
+tiny-moe's 2-token window took 5.9 ms stacked against 2.5 ms on mlx-lm's path, and 4 or 16 rows
+6.7-8.0 ms against 3.6-4.2 (docs/benchmarks.md, "On an NVIDIA GPU"), so CUDA keeps mlx-lm's path
+(sorting there is not measured).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
 
 from .switch import Switch, on_cuda
 
-# Tokens per step from which the union runs: on tiny-moe (trained-like routing, 2026-11-26) a
-# 2-token window took 0.99x mlx-lm's time, 3 tokens 0.89x, 4-8 0.66-0.76x, batches 0.3-0.7x.
-MIN_TOKENS = 2
+MIN_TOKENS = 2  # one token has nothing to share
+# (Token, expert) pairs per expert, on average over all experts, from which stacking beats
+# sorting on the CPU: tiny-moe's forward (64 experts, top 8) at 128 tokens (16 a expert) took
+# 1.33x sorted's time stacked, at 256 tokens (32) 0.78x, at 512 0.79x.
+STACK_FROM = 32
 PATCHED = "_macspec_expert_union"
 _switch = Switch()  # the profile's model.expert_union
 enable = _switch.set
 mlx_lm_path = _switch.off  # mlx-lm's own path inside: the reference
+_forced: list[str] = []  # a grouping the benchmarks impose on every multi-token step
 
 
 def layout(indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -56,9 +65,9 @@ def layout(indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return experts.astype(np.uint32), rows, where.reshape(tokens, top_k)
 
 
-def union_glu(glu, x: mx.array, indices: mx.array) -> mx.array:
-    """`SwitchGLU(x, indices)` with each distinct expert's weights read once: x [..., D],
-    indices [..., K] -> [..., K, D], the same layout mlx-lm returns."""
+def stacked_glu(glu, x: mx.array, indices: mx.array) -> mx.array:
+    """`SwitchGLU(x, indices)` with each distinct expert's weights read once, its rows stacked:
+    x [..., D], indices [..., K] -> [..., K, D], the same layout mlx-lm returns."""
     lead, top_k = indices.shape[:-1], indices.shape[-1]
     experts, rows, where = layout(np.array(indices.reshape(-1, top_k)))
     used = mx.array(experts)
@@ -70,12 +79,46 @@ def union_glu(glu, x: mx.array, indices: mx.array) -> mx.array:
     return out.reshape(*lead, top_k, out.shape[-1])
 
 
-def _engages(glu, indices: mx.array) -> bool:
-    tokens = indices.size // indices.shape[-1]
-    # MLX's CPU quantized matmul is fast only as a matvec: stacked rows cost 1.4-2.2x there.
-    quantized_on_cpu = hasattr(glu.up_proj, "scales") and mx.default_device() == mx.cpu
-    # On CUDA the layout's host round trip costs 2x what it saves (the module's docstring).
-    return _switch.on and tokens >= MIN_TOKENS and not quantized_on_cpu and not on_cuda()
+def sorted_glu(glu, x: mx.array, indices: mx.array) -> mx.array:
+    """`SwitchGLU(x, indices)` with the pairs taken in expert order (mlx-lm's sorted path at any
+    size): x [..., D], indices [..., K] -> [..., K, D]. All in the graph: no host round trip."""
+    top_k = indices.shape[-1]
+    flat = mx.stop_gradient(indices).reshape(-1)
+    order = mx.argsort(flat)
+    rows = x.reshape(-1, 1, x.shape[-1])[order // top_k]  # [N·K, 1, D]: each pair's token
+    experts = flat[order]
+    up = glu.up_proj(rows, experts, sorted_indices=True)
+    gate = glu.gate_proj(rows, experts, sorted_indices=True)
+    out = glu.down_proj(glu.activation(up, gate), experts, sorted_indices=True)  # [N·K, 1, D]
+    return out[mx.argsort(order)].reshape(*indices.shape, x.shape[-1])
+
+
+def path(glu, indices: mx.array) -> str | None:
+    """The grouping a step takes: "sorted", "stacked", or None (mlx-lm's own path)."""
+    tokens, top_k = indices.size // indices.shape[-1], indices.shape[-1]
+    if _forced and _switch.on and tokens >= MIN_TOKENS:
+        return _forced[-1]
+    cpu = mx.default_device() == mx.cpu
+    # MLX's CPU quantized matmul: sorting gains nothing, stacking costs 1.4-2.2x (the docstring).
+    # On CUDA the stacked layout's host round trip costs 2x what it saves; sorting not measured.
+    if not _switch.on or tokens < MIN_TOKENS or (cpu and hasattr(glu.up_proj, "scales")) or on_cuda():
+        return None
+    experts = glu.up_proj.weight.shape[0]
+    return "stacked" if not cpu or tokens * top_k >= STACK_FROM * experts else "sorted"
+
+
+GROUPINGS = {"sorted": sorted_glu, "stacked": stacked_glu}
+
+
+@contextmanager
+def forced(grouping: str):
+    """Every multi-token step grouped `grouping`'s way, on any backend and dtype (the benchmarks'
+    candidates beside the engine's choice)."""
+    _forced.append(grouping)
+    try:
+        yield
+    finally:
+        _forced.pop()
 
 
 def install() -> bool:
@@ -88,7 +131,8 @@ def install() -> bool:
     original = cls.__call__
 
     def call(self, x, indices):
-        return union_glu(self, x, indices) if _engages(self, indices) else original(self, x, indices)
+        grouping = path(self, indices)
+        return GROUPINGS[grouping](self, x, indices) if grouping else original(self, x, indices)
 
     cls.__call__ = call
     setattr(cls, PATCHED, True)
