@@ -11,8 +11,8 @@ as it does on text. --routing picks tiny-moe's router (built:tiny-moe or
 built:tiny-moe-independent) and prints the routing's statistics. --paths instead compares,
 forward by forward on the same rows, the engine's MoE path (models/expert_union.py: a step's
 pairs sorted by expert, or stacked per expert from STACK_FROM pairs per expert) with mlx-lm's
-and with stacking at every size, against the bytes floor: (non-expert bytes + the distinct
-experts' bytes) ÷ one token's.
+and with stacking at every size; each path's window ÷ its own W = 1 at the same B, against the
+bytes floor: (non-expert bytes + the distinct experts' bytes) ÷ those of W = 1.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def path_comparison(runtime: Runtime, rows: list[int], windows: list[int], repea
     other, expert = bytes_per_token(runtime)
     layers = routes.layers
     print("| B | W | distinct experts/layer | mlx-lm (ms) | engine (ms) | stacked (ms) | engine ÷ mlx-lm "
-          "| floor ÷ B·1 | mlx-lm ÷ B·1 | engine ÷ B·1 | stacked ÷ B·1 |")
+          "| floor ÷ W=1 | mlx-lm ÷ W=1 | engine ÷ W=1 | stacked ÷ W=1 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for b in rows:
         text = text_rows(runtime.tokenizer, b, 16 + max(windows))
@@ -161,11 +161,11 @@ def path_comparison(runtime: Runtime, rows: list[int], windows: list[int], repea
             distinct = routes.distinct()
             plain, engine, stacked = (statistics.median(times[p][1:]) for p in PATHS)
             floor_bytes = other + distinct * layers * expert  # what the step must read
-            if base is None:  # W = 1 at this B: the reference each ratio divides by
-                base = (plain, floor_bytes)
+            if base is None:  # W = 1 at this B, each path's own: what each ratio divides by
+                base = (floor_bytes, plain, engine, stacked)
             print(f"| {b} | {w} | {distinct:.1f} | {plain * 1e3:.2f} | {engine * 1e3:.2f} | {stacked * 1e3:.2f} "
-                  f"| {engine / plain:.2f} | {floor_bytes / base[1]:.2f} | {plain / base[0]:.2f} "
-                  f"| {engine / base[0]:.2f} | {stacked / base[0]:.2f} |", flush=True)
+                  f"| {engine / plain:.2f} | {floor_bytes / base[0]:.2f} | {plain / base[1]:.2f} "
+                  f"| {engine / base[2]:.2f} | {stacked / base[3]:.2f} |", flush=True)
 
 
 def main() -> None:
