@@ -18,7 +18,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
 
 from .. import corpus
 from ..models.dflash import ContextKV, DFlashDrafter, drafter_config, save_drafter
@@ -53,15 +55,31 @@ RECIPES = {
 }
 
 
-def init_drafter(view: ModelView, config, seed: int) -> DFlashDrafter:
-    """Random layers; fc starts as "take the highest tapped layer" (the context a drafter most
-    needs first: what the target is about to say)."""
+def init_drafter(view: ModelView, config, seed: int, copy_layers: bool = True) -> DFlashDrafter:
+    """fc starts as "take the highest tapped layer" (the context a drafter most needs first: what
+    the target is about to say). With `copy_layers`, its layers start as the target's last ones
+    (as EAGLE-3's head starts as the last: already a map from late states to the output head's
+    space), `hidden_norm` as the first copy's input norm and `norm` as the target's final norm;
+    whatever has no same-shaped twin (q/k norms, an MoE target's MLP) stays random."""
     mx.random.seed(seed)
     drafter = DFlashDrafter(config)
     width = config.hidden_size
     fc = mx.zeros((width, width * len(config.target_layer_ids)))
     drafter.fc.weight = fc.at[:, -width:].add(mx.eye(width))
+    if copy_layers:
+        sources = view.inner.layers[-len(drafter.layers):]
+        for layer, source in zip(drafter.layers, sources):
+            layer.update(tree_unflatten(same_shaped(source, layer)))
+        drafter.hidden_norm.weight = sources[0].input_layernorm.weight
+        drafter.norm.weight = view.inner.norm.weight
     return drafter
+
+
+def same_shaped(source: nn.Module, target: nn.Module) -> list[tuple[str, mx.array]]:
+    """`source`'s parameters that `target` has under the same name and shape."""
+    mine = dict(tree_flatten(target.parameters()))
+    return [(name, value) for name, value in tree_flatten(source.parameters())
+            if name in mine and mine[name].shape == value.shape and mine[name].dtype == value.dtype]
 
 
 def block_logits(drafter: DFlashDrafter, view: ModelView, tokens: mx.array, fused: mx.array,
