@@ -88,7 +88,7 @@ class DFlashGroup(MTPGroup):
         self.chain_k_max = self.config.block_size - 1
         self.rows: dict[int, MTPRow] = {}
         self.target_width = int(view.inner.norm.weight.shape[0])
-        self.block_logits: mx.array | None = None  # [n, block - 1, V] of the last proposal
+        self.block_logits: mx.array | None = None  # [n, deepest k, V] of the last proposal
 
     @property
     def _dtype(self):
@@ -137,8 +137,9 @@ class DFlashGroup(MTPGroup):
             self.kv.advance(index, count)
 
     def _first_logits(self, rows: list[ChainRow]) -> mx.array:
-        """Feed the context, then one forward over every row's block: logits of all its
-        positions kept for the chain's later steps."""
+        """Feed the context, then one forward over every row's block: the logits of the positions
+        this step drafts (the deepest row's k; the output head over all B - 1 cost SmolLM2's
+        49k-token head 15 rows a step) kept for the chain's later steps."""
         self._feed(rows)
         size = self.config.block_size
         heads = [[row.committed[-1]] + [self.config.mask_token_id] * (size - 1) for row in rows]
@@ -147,7 +148,7 @@ class DFlashGroup(MTPGroup):
         visible = mx.arange(self.kv.span)[None] < (self.kv.offsets + size)[:, None]
         embeds = self.view.embed(mx.array(heads)).astype(self._dtype)
         states = self.drafter(embeds, positions, self.kv.layers, visible[:, None, None, :])
-        self.block_logits = self.view.logits(states[:, 1:])
+        self.block_logits = self.view.logits(states[:, 1:1 + max(row.k for row in rows)])
         return self.block_logits[:, 0]
 
     def _next_logits(self, tokens: mx.array) -> mx.array:
