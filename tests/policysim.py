@@ -11,17 +11,21 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from macspec.speculative.acceptance import METHOD_MEMORY, Acceptance, observe_step, share_weight
+from macspec.speculative.acceptance import METHOD_MEMORY, Acceptance, observe_step, remember, share_weight
 from macspec.speculative.policy import Pace, PlanRow, Policy
 
-# Target forward ms by batch size, per window W = 1..5 (docs/benchmarks.md: "MoE targets: the
-# stand-in and its cost surface", 2026-11-24; SmolLM2 with its EAGLE-3 head, 2026-11-25), and
-# the draft chain's ms per step by batch size.
+# Target forward ms by batch size, per window W = 1..5 (docs/benchmarks.md: tiny-wide's from "MoE
+# targets: the stand-in and its cost surface", 2026-11-24; tiny-moe's from `cost_surface.py --rows
+# 1,4,16 --windows 1,2,3,4,5 --repeats 7`, 2026-11-28, its windows sorted by expert; SmolLM2 with
+# its EAGLE-3 head, 2026-11-25), and the proposer chain's ms per draft step by batch size
+# (tiny-wide: the distilled draft; tiny-moe: its MTP head, whose block is an MoE layer, set so a
+# window of 2 costs what it did beside a plain step through serve, 1.32x / 1.70x / 1.68x at 1, 4
+# and 16 rows, 2026-11-28).
 TABLES = {
     "tiny-wide": ({1: [60.4, 76.7, 77.3, 77.9, 94.8], 4: [78.5, 70.7, 108.3, 95.8, 132.7],
                    16: [98.7, 145.1, 191.5, 236.9, 289.2]}, {1: 3.0, 4: 4.0, 16: 6.0}),
-    "tiny-moe": ({1: [23.8, 34.0, 42.8, 52.1, 62.6], 4: [51.2, 94.2, 131.6, 169.5, 205.8],
-                  16: [170.6, 319.0, 467.4, 607.3, 745.5]}, {1: 3.0, 4: 4.0, 16: 6.0}),
+    "tiny-moe": ({1: [21.5, 23.9, 28.2, 34.0, 39.1], 4: [36.6, 52.7, 66.2, 75.8, 87.5],
+                  16: [75.4, 111.6, 145.5, 175.7, 207.4]}, {1: 4.5, 4: 9.5, 16: 15.0}),
     "smollm2": ({1: [50.0, 58.0, 61.0, 64.0, 68.0]}, {1: 3.0}),
 }
 
@@ -31,6 +35,7 @@ HEADS = {
     "weak": (0.3, 0.3, 0.3, 0.3),
     "eagle3": (0.45, 0.42, 0.47, 0.40),  # SmolLM2's EAGLE-3 head, held out
     "good": (0.75, 0.6, 0.6, 0.6),  # tiny-moe's MTP head
+    "mtp-moe": (0.81, 0.39, 0.33, 0.33),  # tiny-moe's MTP head through serve, 2026-11-28
     "echo": (0.95, 0.95, 0.95, 0.95),  # a request restating its context
 }
 WARMING = 40  # tokens over which a warming request's acceptance rises
@@ -82,22 +87,24 @@ def seeded_policy(table: str, size: int, rows: int, k_max: int, bias: float = 1.
 
 def run(table: str, rows: int, stream: Stream, k: int | None, steps: int = 400, seed: int = 0,
         k_max: int = 4, noise: float = 0.1, calibration_bias: float = 1.3,
-        tokens: int | None = None) -> float:
+        tokens: int | None = None, spread: float = 0.0) -> float:
     """Tokens per simulated second for `rows` rows decoding `steps` steps: k None = the policy,
     else a fixed k for every row. Each step's time is the table's, times up to ±`noise`; the
     policy's table starts from a calibration that read every cell `calibration_bias` too high
     (measured under load). `tokens`: each row's request ends after that many, and a new one takes
-    its row, starting from the prior (None: one request a row)."""
+    its row, starting from the prior (None: one request a row). `spread`: each request's
+    first-position acceptance differs from the stream's by a normal draw of this deviation (prompts
+    that suit the proposer more or less)."""
     size = min(TABLES[table][0], key=lambda b: abs(b - rows))
     rng = random.Random(seed)
     policy = seeded_policy(table, size, rows, k_max, calibration_bias)
-    prior = Acceptance(memory=METHOD_MEMORY)
+    prior, finished = Acceptance(memory=METHOD_MEMORY), []
     estimates = [Acceptance(prior.alphas(1)[0]) for _ in range(rows)]
-    states: list[dict] = [{} for _ in range(rows)]
+    states: list[dict] = [_request(rng, spread) for _ in range(rows)]
     paces = [Pace() for _ in range(rows)]
     spent, total = 0.0, 0
     for step in range(steps):
-        share_weight(estimates)
+        share_weight(estimates, finished)
         plan_rows = [PlanRow("sim", k_max, e.alphas(k_max), fixed=k is not None, pace=pace)
                      for e, pace in zip(estimates, paces)]
         if k is not None:
@@ -106,8 +113,8 @@ def run(table: str, rows: int, stream: Stream, k: int | None, steps: int = 400, 
             ks = policy.plan(plan_rows)
         window = max(ks) + 1
         seconds = step_seconds(table, size, window) * (1.0 + rng.uniform(-noise, noise))
-        committed = [_verify(rng, stream.alphas(rng, step, steps, states[i]), ks[i], estimates[i], prior)
-                     for i in range(rows)]
+        committed = [_verify(rng, _shifted(stream.alphas(rng, step, steps, states[i]), states[i]), ks[i],
+                             estimates[i], prior) for i in range(rows)]
         if k is None:
             policy.observe_step(plan_rows, ks, seconds, committed)
         spent += seconds
@@ -115,8 +122,19 @@ def run(table: str, rows: int, stream: Stream, k: int | None, steps: int = 400, 
         for i, n in enumerate(committed):
             states[i]["done"] = states[i].get("done", 0) + n
             if tokens is not None and states[i]["done"] >= tokens:
-                estimates[i], states[i], paces[i] = Acceptance(prior.alphas(1)[0]), {}, Pace()
+                remember(finished, estimates[i])
+                estimates[i], states[i], paces[i] = Acceptance(prior.alphas(1)[0]), _request(rng, spread), Pace()
     return total / spent
+
+
+def _request(rng: random.Random, spread: float) -> dict:
+    """A new request's state: how far its first position's acceptance lies from the stream's."""
+    return {"shift": rng.gauss(0.0, spread)} if spread else {}
+
+
+def _shifted(alphas: list[float], state: dict) -> list[float]:
+    shift = state.get("shift", 0.0)
+    return [min(0.97, max(0.0, alphas[0] + shift)), *alphas[1:]] if shift else alphas
 
 
 def _verify(rng: random.Random, truth, k: int, estimate: Acceptance, prior: Acceptance) -> int:
@@ -158,13 +176,13 @@ def burst(heads: list[str], tokens: int, k: int | None, seed: int = 0, k_max: in
         policy.costs.seed("", rows, 1, windows[0] / 1e3)
         for window in range(2, k_max + 2):
             policy.costs.seed("sim", rows, window, windows[window - 1] / 1e3)
-    prior = Acceptance(memory=METHOD_MEMORY)
+    prior, finished = Acceptance(memory=METHOD_MEMORY), []
     for _ in range(rounds):
         live = [{"head": HEADS[h], "left": tokens, "estimate": Acceptance(prior.alphas(1)[0]),
                  "pace": Pace()} for h in heads]
         spent = 0.0
         while live:
-            share_weight([r["estimate"] for r in live])
+            share_weight([r["estimate"] for r in live], finished)
             plan_rows = [PlanRow("sim", min(k_max, r["left"] - 1), r["estimate"].alphas(k_max),
                                  fixed=k is not None, pace=r["pace"]) for r in live]
             ks = [min(k, row.k_max) for row in plan_rows] if k is not None else policy.plan(plan_rows)
@@ -175,6 +193,9 @@ def burst(heads: list[str], tokens: int, k: int | None, seed: int = 0, k_max: in
             if k is None:
                 policy.observe_step(plan_rows, ks, seconds, committed)
             spent += seconds
+            for r in live:
+                if r["left"] <= 0:
+                    remember(finished, r["estimate"])
             live = [r for r in live if r["left"] > 0]
     return len(heads) * tokens / spent
 
@@ -190,12 +211,13 @@ def in_turn(table: str, heads: list[str], k: int | None, tokens: int = 128, requ
     most requests and never on some). -> tokens per second, and each head's mean seconds a request."""
     rng = random.Random(seed)
     policy = seeded_policy(table, 1, 1, k_max)
-    prior = Acceptance(memory=METHOD_MEMORY)
+    prior, finished = Acceptance(memory=METHOD_MEMORY), []
     spent, total, seconds = 0.0, 0, {h: 0.0 for h in heads}
     for r in range(requests):
         head = heads[r % len(heads)]
         estimate, pace, left, began = Acceptance(prior.alphas(1)[0]), Pace(), tokens, spent
         while left > 0:
+            share_weight([estimate], finished)
             row = PlanRow("sim", min(k_max, left - 1), estimate.alphas(k_max), fixed=k is not None, pace=pace)
             ks = [min(k, row.k_max)] if k is not None else policy.plan([row])
             step = step_seconds(table, 1, max(ks) + 1) * (1.0 + rng.uniform(-noise, noise))
@@ -203,5 +225,6 @@ def in_turn(table: str, heads: list[str], k: int | None, tokens: int = 128, requ
             if k is None:
                 policy.observe_step([row], ks, step, [committed])
             spent, total, left = spent + step, total + committed, left - committed
+        remember(finished, estimate)
         seconds[head] += (spent - began) / (requests / len(heads))
     return total / spent, seconds

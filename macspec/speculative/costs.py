@@ -9,9 +9,12 @@ fuller ones (drafting while it drained read as a gain; tiny-wide, c = 16).
 lookup drafts); the window is k + 1 positions per row. Start-up calibration seeds cells; a seed
 stands until the first real step of its cell, and that step rescales the other seeds at its row
 count by how far it was off (calibration times the forward alone, not the host work). A cell
-nothing measured or seeded is read off its neighbours: linear in the window at its row count,
-then linear in rows, flat beyond the measured range; a chain never timed costs what the forward
-alone does (so it gets tried).
+nothing measured or seeded is read off its neighbours: at its row count, the nearest window
+below it (so it gets tried, and measured: a window's cost need not grow linearly, and tiny-wide's
+4 rows cost less at W = 4 than at W = 3; read linearly from the seeds at 2 and 5, W = 4 was
+priced 17 % high and adaptive trailed k = 3 by 5 % there, simulated), then linear in rows, flat
+beyond the measured range; a chain never timed costs what the forward alone does (so it gets
+tried).
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ class StepCosts:
         for (c, r, w), known in self.cells.items():
             if c == chain:
                 by_rows.setdefault(r, {})[w] = known.seconds
-        value = _interpolate({r: _interpolate(ws, window) for r, ws in by_rows.items()}, rows)
+        value = _interpolate({r: _at_or_below(ws, window) for r, ws in by_rows.items()}, rows)
         if value is None:
             return self.seconds("", rows, window) if chain else 1.0  # nothing measured: all alike
         return value
@@ -94,6 +97,12 @@ class StepCosts:
             out.setdefault(chain or "none", {}).setdefault(str(rows), {})[str(window)] = \
                 round(cell.seconds * 1e3, 3) if cell.steps else f"{cell.seconds * 1e3:.3f} (seed)"
         return out
+
+
+def _at_or_below(points: dict[int, float], x: int) -> float:
+    """The nearest known point at or below x (the lowest one above it, with none below)."""
+    below = [p for p in points if p <= x]
+    return points[max(below)] if below else points[min(points)]
 
 
 def _interpolate(points: dict[int, float], x: int) -> float | None:

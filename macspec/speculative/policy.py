@@ -17,12 +17,14 @@ does not draft pays the batch's window all the same).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
 from .acceptance import expected_tokens
 from .costs import StepCosts, bucket
 
+logger = logging.getLogger(__name__)
 GUARD_MARGIN = 0.03  # speculation may trail plain by this much before it stops: noise, not loss
 PROBE_STEPS = 4  # speculative steps a probe measures (a first trial too), at the best window >= 2
 GUARD_MEMORY = 64  # steps a guard's comparison spans (a stretch of hard text is not a loss), and
@@ -186,12 +188,17 @@ class Policy:
             guard.units[len(rows)] = guard.units.get(len(rows), 0.0) + sum(tokens) / len(rows)
             guard.spent_s = guard.spent_s * DECAY + seconds
             guard.steps += 1
+            was = guard.allowed
             if guard.probe_left:
                 guard.probe_left -= 1
                 if not guard.probe_left:
                     self._judge(guard, ended_probe=True)
             elif guard.steps >= VERDICT_STEPS:
                 self._judge(guard, ended_probe=False)
+            if guard.allowed != was:
+                logger.info("%s %s at batch %d: measured %.2fx plain%s", method,
+                            "on" if guard.allowed else "off", bucket(len(rows)), self.speedup(guard) or 0.0,
+                            "" if guard.allowed else f"; probed again within {guard.interval} steps")
 
     def speedup(self, guard: Guard) -> float | None:
         """Its steps' tokens at what a plain step costs now at each one's row count, over the

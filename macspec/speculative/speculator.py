@@ -19,7 +19,7 @@ import mlx.core as mx
 from .. import faults, proposers
 from ..faults import SpecFaults
 from ..sampling import RowContext
-from .acceptance import ALPHA_PRIOR, METHOD_MEMORY, Acceptance, observe_step, share_weight
+from .acceptance import ALPHA_PRIOR, METHOD_MEMORY, Acceptance, observe_step, remember, share_weight
 from .base import ChainRow, Drafts, Offer, ProposerGroup
 from .policy import Pace, PlanRow, Policy
 from .stats import SpecStats
@@ -62,6 +62,8 @@ class Speculator:
         # (method, kind) -> acceptance per draft position across requests: a new request starts here.
         self.priors: dict[tuple[str, str], Acceptance] = {}
         self.remembered: dict[str, float] = {}  # method -> the acceptance a saved prior started at
+        # (method, kind) -> recently finished adaptive requests' estimates (acceptance.remember).
+        self.finished: dict[tuple[str, str], list[Acceptance]] = {}
         self.totals: dict[str, SpecStats] = {}
         self.faults = SpecFaults()
         self.step_rows: list[PlanRow] = []  # the last plan's view of its rows
@@ -116,12 +118,10 @@ class Speculator:
         lookup's: its matches are its own context's."""
         estimates: dict[tuple[str, str], list[Acceptance]] = {}
         for seq in seqs:
-            if seq.spec.adaptive:
-                for kind, estimate in seq.spec.acceptance.items():
-                    if kind not in LOOKUP_KINDS:
-                        estimates.setdefault((seq.spec.method, kind), []).append(estimate)
-        for group in estimates.values():
-            share_weight(group)
+            for kind, estimate in _shared(seq.spec):
+                estimates.setdefault((seq.spec.method, kind), []).append(estimate)
+        for key, group in estimates.items():
+            share_weight(group, self.finished.get(key, ()))
 
     def _plan_row(self, seq, max_context: int) -> PlanRow:
         record = seq.spec
@@ -196,6 +196,8 @@ class Speculator:
     # ---- ends --------------------------------------------------------------------------------
     def leave(self, seq) -> None:
         record = seq.spec
+        for kind, estimate in _shared(record):
+            self.guarded("acceptance", remember, self.finished.setdefault((record.method, kind), []), estimate)
         if record.group is not None and record.group is self.groups.get(record.method):
             self.guarded("proposer_observe", record.group.leave, seq.request.id, drop=record.method)
         record.group = None
@@ -285,6 +287,14 @@ class Speculator:
             "policy": self.policy.as_dict(),
             "proposers": {m: st for m, g in self.groups.items() if (st := g.status())},
         }
+
+
+def _shared(record: Record) -> list[tuple[str, Acceptance]]:
+    """The estimates a record shares with its method's other requests: an adaptive request's,
+    of a model proposer's kind (a lookup's matches are its own context's)."""
+    if not record.adaptive:
+        return []
+    return [(kind, e) for kind, e in record.acceptance.items() if kind not in LOOKUP_KINDS]
 
 
 def _draft_context(seq, k: int) -> RowContext:
