@@ -91,8 +91,7 @@ def share_weight(estimates: list[Acceptance], finished: list[Acceptance] = ()) -
     rarely made a spread, one rejection moved a start by 0.14 and held every row's window
     (tiny-moe's MTP through serve: mean k 0.03 where k = 1 gained 5 %). A request counts once its
     own evidence weighs as much as the least start; a spread needs two."""
-    measured = [(e.hits[0], e.trials[0]) for e in [*estimates, *finished]
-                if e.trials and e.trials[0] >= PRIOR_TRIALS]
+    measured = [(e.hits[0], e.trials[0]) for e in [*estimates, *finished] if _counts(e)]
     if len(measured) < 2:
         return
     mean = sum(h for h, _ in measured) / sum(t for _, t in measured)
@@ -108,7 +107,13 @@ def share_weight(estimates: list[Acceptance], finished: list[Acceptance] = ()) -
 def remember(finished: list[Acceptance], estimate: Acceptance) -> None:
     """A finished request's estimate joins its method's recent ones (share_weight's history),
     which span the last METHOD_MEMORY first-position trials, as the method's prior does."""
-    if estimate.trials and estimate.trials[0] >= PRIOR_TRIALS:
+    if _counts(estimate):
         finished.append(estimate)
     while sum(e.trials[0] for e in finished[1:]) >= METHOD_MEMORY:
         finished.pop(0)
+
+
+def _counts(estimate: Acceptance) -> bool:
+    """Whether a request counts toward a spread: its own first-position evidence weighs as much
+    as the least start."""
+    return bool(estimate.trials) and estimate.trials[0] >= PRIOR_TRIALS
