@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 
+import mlx.core as mx
 import pytest
 
 from macspec.config import load_profile
 from macspec.engine.launch import calibrated_engine
 from macspec.engine.runtime import Runtime
 from macspec.errors import MacspecError, ModelLoadError
-from macspec.models.dflash import DFlashConfig, default_target_layers, random_drafter
+from macspec.models.dflash import DFlashConfig, build_drafter, default_target_layers, random_drafter, read_drafter
 from macspec.models.store import embedded_dir
 from macspec.sampling import SamplingParams
 
@@ -42,6 +43,20 @@ def test_the_published_config_reads_as_the_reference_reads_it():
     assert DFlashConfig.from_dict(nested, "nested").block_size == 8
 
 
+def test_a_draft_vocabulary_that_does_not_fit_is_refused_with_the_reason(tmp_path):
+    target_config = json.loads((embedded_dir() / "tiny-target" / "config.json").read_text())
+    vocab = target_config["vocab_size"]
+    path = random_drafter(tmp_path / "d", target_config, layers=1, block_size=3, mask_token_id=0,
+                          vocab_ids=[0, 5, vocab - 1])
+    config, weights = read_drafter(path)
+    hidden, layers = target_config["hidden_size"], target_config["num_hidden_layers"]
+    assert build_drafter(config, weights, hidden, layers, vocab, mx.float32, "d").vocab_ids.tolist() == [0, 5, vocab - 1]
+    with pytest.raises(ModelLoadError, match="target ids 0..%d, outside the target's vocabulary of %d" % (vocab - 1, vocab - 1)):
+        build_drafter(config, weights, hidden, layers, vocab - 1, mx.float32, "d")
+    with pytest.raises(ModelLoadError, match="draft_vocab_size 3 < vocab_size .* no d2t"):
+        build_drafter(config, {k: v for k, v in weights.items() if k != "d2t"}, hidden, layers, vocab, mx.float32, "d")
+
+
 def test_not_a_drafter_is_refused_by_name():
     with pytest.raises(ModelLoadError, match="not a DFlash drafter"):
         DFlashConfig.from_dict({**QWEN3_8B_B16, "architectures": ["Qwen3ForCausalLM"]}, "x")
@@ -59,12 +74,15 @@ def test_a_drafter_for_another_target_is_refused_with_the_reason(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_drafter_in_the_published_layout_loads_from_the_profile_and_stays_lossless(tmp_path, prompts):
+@pytest.mark.parametrize("vocabulary", [None, "odd ids"])
+def test_a_drafter_in_the_published_layout_loads_from_the_profile_and_stays_lossless(tmp_path, prompts, vocabulary):
+    """z-lab's layout, and macspec's forged one with a draft vocabulary (EAGLE-3's d2t)."""
     target_config = json.loads((embedded_dir() / "tiny-target" / "config.json").read_text())
     profile = load_profile("tiny")
     profile.override("speculative.method", "dflash", "test")
+    vocab_ids = None if vocabulary is None else list(range(1, target_config["vocab_size"], 2))
     # a block of 3 (2 drafts) under the profile's num_draft_tokens: calibration times what fits
-    path = random_drafter(tmp_path / "dflash", target_config, layers=3, block_size=3, seed=4)
+    path = random_drafter(tmp_path / "dflash", target_config, layers=3, block_size=3, seed=4, vocab_ids=vocab_ids)
     profile.override("speculative.dflash_drafter", str(path), "test")
     runtime = Runtime.load(profile)
     assert runtime.dflash_drafter.config.target_layer_ids == (1, 2, 3)

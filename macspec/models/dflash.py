@@ -4,7 +4,9 @@ A drafter directory holds `config.json` (`DFlashDraftModel`, Qwen3 keys for its 
 `block_size`, `num_target_layers`, and `dflash_config.{target_layer_ids, mask_token_id}`) and
 safetensors with `fc` (the tapped target layers' outputs, concatenated, K·H -> H), `hidden_norm`,
 `layers.i.*` (Qwen3 decoder layers: q/k norms, no biases) and `norm`. It has no embeddings and
-no output head: the target's are used.
+no output head: the target's are used. macspec's forged drafters may add a draft vocabulary as
+EAGLE-3 publishes one (`draft_vocab_size`, `d2t`): the drafts are then scored with the target's
+output rows for those tokens only (models/draft_vocab.py); drafters without it load unchanged.
 
 Context: each committed position's tapped states become `ctx = hidden_norm(fc(states))`, and
 every layer reads ctx only as extra keys and values (`k_norm(k_proj(ctx))` under RoPE at the
@@ -23,9 +25,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..errors import ModelLoadError
+from . import draft_vocab
+from .mtp import output_rows
 from .window_attention import fast_attention
 
 CONFIG_FILE = "config.json"
@@ -48,6 +53,7 @@ class DFlashConfig:
     num_target_layers: int
     target_layer_ids: tuple[int, ...]  # target layers whose outputs it reads (0-based)
     mask_token_id: int
+    draft_vocab_size: int | None = None  # None: drafts score the target's whole vocabulary
 
     @classmethod
     def from_dict(cls, raw: dict, where: str) -> "DFlashConfig":
@@ -78,7 +84,9 @@ class DFlashConfig:
             max_position_embeddings=merged.get("max_position_embeddings", 32768),
             vocab_size=merged["vocab_size"], block_size=merged["block_size"],
             num_target_layers=target_layers, target_layer_ids=tuple(int(i) for i in ids),
-            mask_token_id=int(merged["mask_token_id"]))
+            mask_token_id=int(merged["mask_token_id"]),
+            draft_vocab_size=None if merged.get("draft_vocab_size") in (None, merged["vocab_size"])
+            else int(merged["draft_vocab_size"]))
 
 
 def default_target_layers(num_target_layers: int, num_layers: int) -> tuple[int, ...]:
@@ -169,6 +177,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.layers = [Layer(config) for _ in range(config.num_hidden_layers)]
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.vocab_ids: np.ndarray | None = None  # the draft vocabulary's target ids (None: all)
 
     @property
     def fused_width(self) -> int:
@@ -189,11 +198,40 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
 
+@dataclass
+class OutputHead:
+    """What scores a drafter's states: the target's output head, or its rows for the drafter's
+    draft vocabulary (gathered once, dequantized where the target is quantized)."""
+
+    view: object  # the target's ModelView
+    width: int  # the target's logits width
+    ids: mx.array | None = None
+    rows: mx.array | None = None
+
+    @classmethod
+    def of(cls, drafter: DFlashDrafter, view, width: int, dtype=None) -> "OutputHead":
+        if drafter.vocab_ids is None:
+            return cls(view, width)
+        ids = mx.array(drafter.vocab_ids)
+        rows = output_rows(view, ids)
+        return cls(view, width, ids, rows.astype(dtype or rows.dtype))
+
+    def draft(self, states: mx.array) -> mx.array:
+        """Logits over the draft vocabulary (the target's whole one where there is none)."""
+        return self.view.logits(states) if self.ids is None else states @ self.rows.T
+
+    def target(self, states: mx.array) -> mx.array:
+        """Logits over the target's vocabulary, -inf outside the draft vocabulary."""
+        logits = self.draft(states)
+        return logits if self.ids is None else draft_vocab.to_target_vocab(logits, self.ids, self.width)
+
+
 def drafter_config(target_config: dict, layers: int = 2, block_size: int = 8, mask_token_id: int | None = None,
-                   target_layers: tuple[int, ...] | None = None) -> DFlashConfig:
+                   target_layers: tuple[int, ...] | None = None, draft_vocab_size: int | None = None) -> DFlashConfig:
     """A drafter shaped like the target's layers (the reference's choice), reading
     `target_layers` of them (default: one per drafter layer, picked as the reference picks
-    them); the mask token defaults to the last id."""
+    them); the mask token defaults to the last id; drafts score the whole vocabulary unless a
+    `draft_vocab_size` is given."""
     text = target_config.get("text_config") or target_config
     depth, heads = text["num_hidden_layers"], text["num_attention_heads"]
     return DFlashConfig(
@@ -205,7 +243,8 @@ def drafter_config(target_config: dict, layers: int = 2, block_size: int = 8, ma
         rope_scaling=None, max_position_embeddings=text.get("max_position_embeddings", 4096),
         vocab_size=text["vocab_size"], block_size=block_size, num_target_layers=depth,
         target_layer_ids=tuple(target_layers) if target_layers else default_target_layers(depth, layers),
-        mask_token_id=text["vocab_size"] - 1 if mask_token_id is None else mask_token_id)
+        mask_token_id=text["vocab_size"] - 1 if mask_token_id is None else mask_token_id,
+        draft_vocab_size=draft_vocab_size)
 
 
 def published_config(config: DFlashConfig) -> dict:
@@ -217,6 +256,7 @@ def published_config(config: DFlashConfig) -> dict:
             "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
             "rope_scaling": config.rope_scaling, "max_position_embeddings": config.max_position_embeddings,
             "vocab_size": config.vocab_size, "attention_bias": False, "tie_word_embeddings": False,
+            **({} if config.draft_vocab_size is None else {"draft_vocab_size": config.draft_vocab_size}),
             "dflash_config": {"mask_token_id": config.mask_token_id,
                               "target_layer_ids": list(config.target_layer_ids)}}
 
@@ -228,15 +268,21 @@ def save_drafter(drafter: DFlashDrafter, out: Path, dtype=mx.bfloat16, extra: di
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     weights = {k: v.astype(dtype) for k, v in tree_flatten(drafter.parameters())}
+    if drafter.vocab_ids is not None:
+        weights["d2t"] = draft_vocab.d2t(drafter.vocab_ids)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
     (out / CONFIG_FILE).write_text(json.dumps({**published_config(drafter.config), **(extra or {})}, indent=2) + "\n")
     return out
 
 
-def random_drafter(out: Path, target_config: dict, seed: int = 0, **shape) -> Path:
-    """A drafter with random weights (tests; the seed replicas until one is trained)."""
+def random_drafter(out: Path, target_config: dict, seed: int = 0, vocab_ids=None, **shape) -> Path:
+    """A drafter with random weights (tests; the seed replicas until one is trained), over the
+    draft vocabulary `vocab_ids` where given."""
     mx.random.seed(seed)
-    return save_drafter(DFlashDrafter(drafter_config(target_config, **shape)), out)
+    size = None if vocab_ids is None else len(vocab_ids)
+    drafter = DFlashDrafter(drafter_config(target_config, draft_vocab_size=size, **shape))
+    drafter.vocab_ids = None if vocab_ids is None else np.asarray(vocab_ids, dtype=np.int32)
+    return save_drafter(drafter, out)
 
 
 def read_config(path: Path) -> tuple[DFlashConfig, list[Path]]:
@@ -294,6 +340,10 @@ def build_drafter(config: DFlashConfig, weights: dict[str, mx.array], target_hid
         raise ModelLoadError(f"{where}: this DFlash drafter does not fit the target: " + "; ".join(problems))
     drafter = DFlashDrafter(config)
     weights = {k.removeprefix("model."): v for k, v in weights.items()}
+    d2t = weights.pop("d2t", None)
+    if config.draft_vocab_size is not None:
+        drafter.vocab_ids = np.array(draft_vocab.target_ids(
+            d2t, config.draft_vocab_size, config.vocab_size, target_vocab, f"DFlash drafter {where}"))
     try:
         drafter.load_weights(list(weights.items()), strict=True)
     except ValueError as err:

@@ -31,6 +31,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
 
 from ..errors import ModelLoadError
+from . import draft_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -184,9 +185,7 @@ class Eagle3Head(nn.Module):
 
     def to_target_vocab(self, logits: mx.array) -> mx.array:
         """Draft-vocabulary logits [..., N] -> [..., target vocab], -inf elsewhere."""
-        full = mx.full((*logits.shape[:-1], self.target_width), -mx.inf, dtype=logits.dtype)
-        ids = mx.broadcast_to(self.target_ids, logits.shape)
-        return mx.put_along_axis(full, ids, logits, axis=-1)
+        return draft_vocab.to_target_vocab(logits, self.target_ids, self.target_width)
 
     def set_vocab_map(self, target_ids: mx.array, target_width: int) -> None:
         """Row i of lm_head scores target token target_ids[i]; the target's logits are
@@ -204,10 +203,9 @@ class Eagle3Head(nn.Module):
         from mlx.utils import tree_flatten
 
         out = {k: v for k, v in tree_flatten(self.parameters()) if k != "target_ids"}
-        ids = np.array(self.target_ids).astype(np.int64)
-        out["d2t"] = mx.array(ids - np.arange(ids.shape[0]))
+        out["d2t"] = draft_vocab.d2t(self.target_ids)
         t2d = np.zeros(self.config.vocab_size, dtype=bool)
-        t2d[ids] = True
+        t2d[np.array(self.target_ids)] = True
         out["t2d"] = mx.array(t2d)
         return out
 
@@ -301,33 +299,12 @@ def build_head(config: Eagle3Config, weights: dict[str, mx.array], target_view, 
     if problems:
         raise ModelLoadError(f"EAGLE-3 head {where} does not fit the target: " + "; ".join(problems))
     head = Eagle3Head(config, own_embed=own_embed)
-    head.set_vocab_map(_target_ids(config, weights, target_vocab, where), target_vocab)
+    head.set_vocab_map(draft_vocab.target_ids(weights.get("d2t"), config.draft_vocab_size, config.vocab_size,
+                                              target_vocab, f"EAGLE-3 head {where}"), target_vocab)
     _load_checked(head, weights, where)
     head.set_dtype(dtype)
     mx.eval(head.parameters())
     return head
-
-
-def _target_ids(config: Eagle3Config, weights: dict[str, mx.array], target_vocab: int,
-                where: str) -> mx.array:
-    d2t = weights.get("d2t")
-    n = config.draft_vocab_size
-    if d2t is None:
-        if n != config.vocab_size:
-            raise ModelLoadError(f"EAGLE-3 head {where}: draft_vocab_size {n} < vocab_size "
-                                 f"{config.vocab_size} but no d2t maps draft ids to target ids")
-        return mx.arange(n, dtype=mx.int32)
-    if d2t.shape != (n,):
-        raise ModelLoadError(f"EAGLE-3 head {where}: d2t has shape {tuple(d2t.shape)}; "
-                             f"draft_vocab_size is {n}")
-    ids = d2t.astype(mx.int64) + mx.arange(n, dtype=mx.int64)
-    low, high = int(ids.min().item()), int(ids.max().item())
-    if low < 0 or high >= target_vocab:
-        raise ModelLoadError(f"EAGLE-3 head {where}: d2t maps draft ids onto target ids "
-                             f"{low}..{high}, outside the target's vocabulary of {target_vocab}")
-    if len(set(ids.tolist())) != n:
-        raise ModelLoadError(f"EAGLE-3 head {where}: d2t maps two draft ids onto one target id")
-    return ids.astype(mx.int32)
 
 
 def _load_checked(head: Eagle3Head, weights: dict[str, mx.array], where: str) -> None:

@@ -20,6 +20,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
+from . import draft_vocab
+
 HEAD_KEYS = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
 
 
@@ -67,9 +69,7 @@ class MTPHead(nn.Module):
 
     def to_target_vocab(self, logits: mx.array) -> mx.array:
         """Subset logits [..., N] -> [..., target vocab], -inf outside the subset."""
-        full = mx.full((*logits.shape[:-1], self.target_vocab), -mx.inf, dtype=logits.dtype)
-        ids = mx.broadcast_to(self.shared_head.vocab_ids, logits.shape)
-        return mx.put_along_axis(full, ids, logits, axis=-1)
+        return draft_vocab.to_target_vocab(logits, self.shared_head.vocab_ids, self.target_vocab)
 
     def forward(self, tokens: mx.array, prev_hidden: mx.array, target, cache=None):
         """As __call__, with the logits over the head's own vocabulary (training)."""

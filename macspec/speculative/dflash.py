@@ -19,7 +19,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..errors import ModelLoadError
 from ..kv.batched import BatchKV
-from ..models.dflash import DFlashDrafter, build_drafter, read_drafter
+from ..models.dflash import DFlashDrafter, OutputHead, build_drafter, read_drafter
 from ..models.view import ModelView, tap_layers, tapped_columns
 from ..monitor.memory import compute_dtype_bytes
 from ..progress import phase
@@ -58,8 +58,9 @@ def load(runtime, method: str, fallback: bool = True) -> None:
             tap_layers(runtime.target.model, config.target_layer_ids)
         except ValueError as err:  # an EAGLE-3 head tapped others first
             raise ModelLoadError(f"{path}: {err} (one proposer that reads the target's layers per server)") from None
-    logger.info("DFlash drafter %s: block %d, target layers %s, mask token %d", path, config.block_size,
-                list(config.target_layer_ids), config.mask_token_id)
+    logger.info("DFlash drafter %s: block %d, target layers %s, mask token %d, draft vocabulary %s", path,
+                config.block_size, list(config.target_layer_ids), config.mask_token_id,
+                config.draft_vocab_size or "the target's")
     runtime.dflash_drafter = drafter
 
 
@@ -88,6 +89,7 @@ class DFlashGroup(MTPGroup):
         self.chain_k_max = self.config.block_size - 1
         self.rows: dict[int, MTPRow] = {}
         self.target_width = int(view.inner.norm.weight.shape[0])
+        self.head = OutputHead.of(drafter, view, vocab_size, self._dtype)
         self.block_logits: mx.array | None = None  # [n, deepest k, V] of the last proposal
 
     @property
@@ -148,7 +150,7 @@ class DFlashGroup(MTPGroup):
         visible = mx.arange(self.kv.span)[None] < (self.kv.offsets + size)[:, None]
         embeds = self.view.embed(mx.array(heads)).astype(self._dtype)
         states = self.drafter(embeds, positions, self.kv.layers, visible[:, None, None, :])
-        self.block_logits = self.view.logits(states[:, 1:1 + max(row.k for row in rows)])
+        self.block_logits = self.head.target(states[:, 1:1 + max(row.k for row in rows)])
         return self.block_logits[:, 0]
 
     def _next_logits(self, tokens: mx.array) -> mx.array:
