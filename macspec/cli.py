@@ -552,7 +552,7 @@ FORGE_WHATS = (
     ("glm5-mini", "a few-MB replica of GLM-5 with its MTP layer"),
     ("smollm2-mtp", "SmolLM2's MTP head, trained on its own answers (~30 min)"),
     ("smollm2-eagle3", "SmolLM2's EAGLE-3 head in the published layout (~60 min)"),
-    ("smollm2-dflash", "SmolLM2's DFlash block drafter, on the EAGLE-3 head's data (~55 min)"),
+    ("smollm2-dflash", "SmolLM2's DFlash block drafter, on the EAGLE-3 head's data (~40 min)"),
     ("tiny-eagle3", "the tiny target's EAGLE-3 head, from its training corpus (minutes)"),
     ("tiny-dflash", "the tiny target's DFlash block drafter, from its training corpus (~12 min)"),
 )

@@ -38,7 +38,7 @@ class SmolDFlashRecipe:
     anchors: int = 16  # blocks per sequence per step
     decay: float = 0.8
     schedule: train.TrainSchedule = field(default_factory=lambda: train.TrainSchedule(
-        steps=480, batch_size=8, seq_len=160, lr=1e-3, warmup=30, log_every=20, compile=False))
+        steps=960, batch_size=8, seq_len=160, lr=1e-3, warmup=30, log_every=20, compile=False))
     seed: int = 0
 
 
