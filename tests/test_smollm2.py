@@ -1,5 +1,5 @@
-"""SmolLM2's shipped heads (`macspec forge smollm2-mtp`, `smollm2-eagle3`): small, attached by the
-pull, lossless.
+"""SmolLM2's shipped heads (`macspec forge smollm2-mtp`, `smollm2-eagle3`, `smollm2-dflash`): small,
+attached by the pull, lossless.
 
 The head predicts over a subset of the vocabulary (shared_head.vocab_ids) and takes those output
 rows from the target; a tiny random llama checks that path exactly, the real model (through the
@@ -101,12 +101,12 @@ def test_the_pulled_dir_carries_the_shipped_head(smollm2):  # noqa: F811
     assert (model_dir / "mtp.safetensors").read_bytes() == pulled.head_file("smollm2").read_bytes()
 
 
-MIN_ACCEPTED_PER_STEP = {"mtp": 0.1, "eagle3": 0.2}
+MIN_ACCEPTED_PER_STEP = {"mtp": 0.1, "eagle3": 0.2, "dflash": 0.1}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+@pytest.mark.parametrize("method", ["mtp", "eagle3", "dflash"])
 def test_greedy_equals_plain_on_smollm2(smollm2_runtimes, method, k):
     runtime, plain_runtime = smollm2_runtimes(method)
     params = SamplingParams.from_config(runtime.profile.sampling)  # repetition penalty 1.1
@@ -147,3 +147,18 @@ def test_the_pulled_dir_carries_the_eagle3_head(smollm2):  # noqa: F811
     assert attached.read_bytes() == (pulled.beside_dir("smollm2", "eagle3") / "model.safetensors").read_bytes()
 
 
+
+
+def test_shipped_dflash_drafter_is_small_over_the_eagle3_vocabulary_and_what_the_pull_attaches():
+    path = pulled.beside_dir("smollm2", "dflash")
+    weights = path / "model.safetensors"
+    assert weights.stat().st_size <= MAX_HEAD_BYTES
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["vocab_size"] == 49152
+    assert config["draft_vocab_size"] == 8192 and config["dflash_config"]["target_layer_ids"] == [1, 14, 26]
+    header = safetensors_header(weights)
+    assert header["d2t"]["shape"] == [8192]
+    ids = mx.array(range(8192)) + mx.load(str(weights))["d2t"]  # the EAGLE-3 head's draft vocabulary
+    eagle3 = mx.array(range(8192)) + mx.load(str(pulled.beside_dir("smollm2", "eagle3") / "model.safetensors"))["d2t"]
+    assert mx.array_equal(ids, eagle3).item()
+    assert pulled._stamp("smollm2")["dflash_head"] == pulled.beside_digest("smollm2", "dflash")
