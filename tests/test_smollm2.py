@@ -149,7 +149,7 @@ def test_the_pulled_dir_carries_the_eagle3_head(smollm2):  # noqa: F811
 
 
 
-def test_shipped_dflash_drafter_is_small_over_the_eagle3_vocabulary_and_what_the_pull_attaches():
+def test_shipped_dflash_drafter_is_small_over_a_draft_vocabulary_and_what_the_pull_attaches():
     path = pulled.beside_dir("smollm2", "dflash")
     weights = path / "model.safetensors"
     assert weights.stat().st_size <= MAX_HEAD_BYTES
@@ -158,7 +158,6 @@ def test_shipped_dflash_drafter_is_small_over_the_eagle3_vocabulary_and_what_the
     assert config["draft_vocab_size"] == 8192 and config["dflash_config"]["target_layer_ids"] == [1, 14, 26]
     header = safetensors_header(weights)
     assert header["d2t"]["shape"] == [8192]
-    ids = mx.array(range(8192)) + mx.load(str(weights))["d2t"]  # the EAGLE-3 head's draft vocabulary
-    eagle3 = mx.array(range(8192)) + mx.load(str(pulled.beside_dir("smollm2", "eagle3") / "model.safetensors"))["d2t"]
-    assert mx.array_equal(ids, eagle3).item()
+    ids = (mx.arange(8192) + mx.load(str(weights))["d2t"]).tolist()  # picked as the EAGLE-3 head's are
+    assert len(set(ids)) == 8192 and 0 <= min(ids) and max(ids) < 49152
     assert pulled._stamp("smollm2")["dflash_head"] == pulled.beside_digest("smollm2", "dflash")

@@ -4,8 +4,8 @@ The EAGLE-3 head's data at the EAGLE-3 head's budget (forge/smollm2_eagle3.py): 
 answers to the offline chat prompts (1 in 10 held out) and the reference pairs, with the target's
 final state and the outputs of layers 1, 14 and 26, the layers the EAGLE-3 head reads (one tap
 serves both on one server). The drafter (forge/dflash.py) is trained at random anchors inside the
-answers to predict the target's next-token distribution at every block position, over the
-EAGLE-3 head's draft vocabulary (its 8,192 most frequent tokens); saved in z-lab's layout
+answers to predict the target's next-token distribution at every block position, over a
+draft vocabulary picked as the EAGLE-3 head's (the answers' 8,192 most frequent tokens); saved in z-lab's layout
 (config.json + model.safetensors, bfloat16) plus that vocabulary as EAGLE-3 saves one (`d2t`),
 with a report (drafter.json).
 """
@@ -33,7 +33,7 @@ DRAFTER_ASSET = "smollm2-dflash"  # the shipped drafter's dir under the embedded
 class SmolDFlashRecipe:
     answers: smollm2.HeadRecipe = field(default_factory=lambda: EAGLE3_RECIPES["full"].answers)
     layers: int = 2  # 7.5M parameters in its layers + fc: the EAGLE-3 head has 9.8M
-    vocab_size: int | None = 8192  # the draft vocabulary: the EAGLE-3 head's (None: all 49k)
+    vocab_size: int | None = 8192  # the draft vocabulary, picked as the EAGLE-3 head's (None: all 49k)
     block_size: int = 8  # drafts 1..7 trained; the plan verifies what pays
     anchors: int = 16  # blocks per sequence per step
     decay: float = 0.8
@@ -60,7 +60,7 @@ def forge_drafter(out: Path, recipe: SmolDFlashRecipe) -> dict:
     train_idx = [i for i, r in enumerate(records) if not r["heldout"]]
     held_idx = [i for i, r in enumerate(records) if r["heldout"]]
     vocab_ids, vocab_report = None, None
-    if recipe.vocab_size is not None:  # as the EAGLE-3 head picks its own: the same ids
+    if recipe.vocab_size is not None:  # as the EAGLE-3 head picks its own, from the same answers
         vocab_ids, vocab_report = smollm2.head_vocabulary(
             [records[i] for i in train_idx], recipe.vocab_size, int(view.inner.embed_tokens.weight.shape[0]),
             sorted(tapped.loaded.tokenizer.eos_token_ids))
