@@ -1,7 +1,7 @@
 """The proposers, one line each: config validation, the CLI, the engine, the priors file,
 /v1/status, the docs and the tests all read this table.
 
-A proposer is a module under `spec/` (named here) that defines, each given the method's name
+A proposer is a module under `speculative/` (named here) that defines, each given the method's name
 (one module may serve several lines: speculative/hybrid.py serves mtp+suffix and draft+suffix)
 - `load(runtime, method, fallback)`: load what it needs beside the target (its model), once;
 - `make_group(runtime, method, vocab_size)`: a fresh `ProposerGroup` for every row of its method;
