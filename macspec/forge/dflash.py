@@ -89,9 +89,9 @@ def same_shaped(source: nn.Module, target: nn.Module) -> list[tuple[str, mx.arra
 
 def block_logits(drafter: DFlashDrafter, head: OutputHead, tokens: mx.array, fused: mx.array,
                  anchors: mx.array) -> mx.array:
-    """tokens [B, L], fused [B, L, K·H], anchors [B, A] -> draft-vocabulary logits [B·A, size - 1, V] of every
-    anchor's block, each block attending to the context before its anchor and to itself: the
-    drafter's serving forward, its cache a ContextKV per layer."""
+    """tokens [B, L], fused [B, L, K·H], anchors [B, A] -> draft-vocabulary logits [B·A, size - 1, V]
+    of every anchor's block, each block attending to the context before its anchor and to itself:
+    the drafter's serving forward, its cache a ContextKV per layer."""
     size, mask_id = drafter.config.block_size, drafter.config.mask_token_id
     batch, length = tokens.shape
     rows = anchors.reshape(-1)  # [R]: one attention row per block

@@ -196,8 +196,9 @@ class Policy:
             guard = self.guard(method, len(rows))
             for r in guard.units:
                 guard.units[r] *= DECAY
-            guard.units[len(rows)] = guard.units.get(len(rows), 0.0) + sum(tokens) / len(rows)
-            guard.squares = guard.squares * DECAY + (sum(tokens) / len(rows)) ** 2
+            per_row = sum(tokens) / len(rows)
+            guard.units[len(rows)] = guard.units.get(len(rows), 0.0) + per_row
+            guard.squares = guard.squares * DECAY + per_row ** 2
             guard.weight = guard.weight * DECAY + 1.0
             guard.spent_s = guard.spent_s * DECAY + seconds
             guard.steps += 1
