@@ -73,13 +73,15 @@ class Guard:
     """One method at one batch bucket: its drafting steps (decayed), as the tokens they committed
     per row at each row count and the seconds they took, priced against plain decoding when read."""
 
-    interval: int = 0  # steps before the next probe while off (or left idle by the plan)
+    interval: int = 0  # steps before the next probe while off, capped, or left idle by the plan
     probe_left: int = PROBE_STEPS
-    allowed: bool = True
-    waited: int = 0  # steps it could have drafted here and did not
+    k_max: float = math.inf  # the most k the plan may give it here: 1 its first draft alone, 0 off
+    waited: int = 0  # steps it could have drafted here (or deeper) and did not
     units: dict[int, float] = field(default_factory=dict)  # rows -> tokens committed per row
     squares: float = 0.0  # each step's tokens per row, squared (decayed): their noise
     weight: float = 0.0  # steps, decayed as the rest
+    firsts: dict[int, float] = field(default_factory=dict)  # rows -> tokens per row its first
+    first_s: float = 0.0  # drafts alone would have committed, and a window of 2's seconds
     spent_s: float = 0.0
     steps: float = 0.0
 
@@ -96,11 +98,14 @@ class Guard:
     def state(self) -> str:
         if self.probe_left:
             return "probing"
-        return "off" if not self.allowed else "idle" if self.waited else "on"  # idle: by the plan
+        if self.k_max < math.inf:
+            return "off" if not self.k_max else "capped"
+        return "idle" if self.waited else "on"  # idle: by the plan
 
     def restart(self, probe: int = PROBE_STEPS) -> None:
         self.probe_left, self.waited = probe, 0
-        self.units, self.squares, self.weight, self.spent_s, self.steps = {}, 0.0, 0.0, 0.0, 0.0
+        self.units, self.firsts, self.squares, self.weight = {}, {}, 0.0, 0.0
+        self.spent_s, self.first_s, self.steps = 0.0, 0.0, 0.0
 
 
 class Policy:
@@ -127,7 +132,8 @@ class Policy:
             return fixed
         guards = {m: self.guard(m, len(rows)) for m in free}
         must = [m for m in free if guards[m].probe_left]
-        allowed = [m for m in free if guards[m].allowed or guards[m].probe_left]
+        allowed = [m for m in free if guards[m].k_max or guards[m].probe_left]
+        cap = {m: math.inf if guards[m].probe_left else guards[m].k_max for m in allowed}
         ranked, vetoed = [], 0.0
         # A probe runs the plan's best window of at least 2: one a request behind its pace
         # would lose waits for that request to leave (the probe measures, it does not promise).
@@ -136,7 +142,7 @@ class Policy:
                 on = {m for j, m in enumerate(allowed) if mask >> j & 1}
                 if not set(must) <= on or (window > 1) != bool(on):
                     continue
-                ks = [f if row.fixed else min(window - 1, row.k_max) if row.method in on else 0
+                ks = [f if row.fixed else min(window - 1, row.k_max, cap[row.method]) if row.method in on else 0
                       for f, row in zip(fixed, rows)]
                 rate = self.expected_rate(rows, ks)
                 if window > 1 and self._slows_a_lagging_row(rows, ks):
@@ -174,7 +180,7 @@ class Policy:
     def _count_waits(self, rows: list[PlanRow], ks: list[int], guards: dict[str, Guard]) -> None:
         drafted = {row.method for row, k in zip(rows, ks) if k}
         for method, guard in guards.items():
-            if method in drafted:
+            if method in drafted and (guard.k_max == math.inf or guard.probe_left):
                 guard.waited = 0
                 continue
             guard.waited += 1
@@ -196,46 +202,62 @@ class Policy:
             guard = self.guard(method, len(rows))
             for r in guard.units:
                 guard.units[r] *= DECAY
+                guard.firsts[r] *= DECAY
             per_row = sum(tokens) / len(rows)
             guard.units[len(rows)] = guard.units.get(len(rows), 0.0) + per_row
+            guard.firsts[len(rows)] = guard.firsts.get(len(rows), 0.0) + sum(min(t, 2) for t in tokens) / len(rows)
             guard.squares = guard.squares * DECAY + per_row ** 2
             guard.weight = guard.weight * DECAY + 1.0
             guard.spent_s = guard.spent_s * DECAY + seconds
+            guard.first_s = guard.first_s * DECAY + self.costs.seconds(chain_of(rows, ks), len(rows), 2)
             guard.steps += 1
-            was = guard.allowed
+            was, measured = guard.k_max, self.speedup(guard) or 0.0
             if guard.probe_left:
                 guard.probe_left -= 1
                 if not guard.probe_left:
                     self._judge(guard, ended_probe=True)
             elif guard.steps >= VERDICT_STEPS:
                 self._judge(guard, ended_probe=False)
-            if guard.allowed != was:
+            if guard.k_max != was:
                 logger.info("%s %s at batch %d: measured %.2fx plain%s", method,
-                            "on" if guard.allowed else "off", bucket(len(rows)), self.speedup(guard) or 0.0,
-                            "" if guard.allowed else f"; probed again within {guard.interval} steps")
+                            {0: "off", 1: "at k <= 1"}.get(guard.k_max, "on"), bucket(len(rows)),
+                            measured, "" if guard.k_max == math.inf else f"; probed within {guard.interval} steps")
 
-    def speedup(self, guard: Guard) -> float | None:
+    def speedup(self, guard: Guard, first: bool = False) -> float | None:
         """Its steps' tokens at what a plain step costs now at each one's row count, over the
-        seconds they took (None: plain decoding never measured)."""
-        if not guard.spent_s or not self.costs.knows(""):
+        seconds they took (None: plain decoding never measured). `first`: what their first drafts
+        alone would have committed, over what windows of 2 cost in the table."""
+        units, spent_s = (guard.firsts, guard.first_s) if first else (guard.units, guard.spent_s)
+        if not spent_s or not self.costs.knows(""):
             return None
-        plain_s = sum(units * self.costs.seconds("", rows, 1) for rows, units in guard.units.items())
-        return plain_s / guard.spent_s
+        return sum(n * self.costs.seconds("", rows, 1) for rows, n in units.items()) / spent_s
 
     def _judge(self, guard: Guard, ended_probe: bool) -> None:
-        """A probe backs off (losing) or resets the interval and lets an off method back on; only
-        the steps the plan chose to draft can turn a method off (a probe of a method the plan
-        left idle measures a step it did not want)."""
-        speedup = self.speedup(guard)
-        # Losing: behind plain by the margin even one standard error up. A step commits 1 to
-        # k + 1 tokens, so 16 steps of a head worth 1.1x read ~0.95 often (~14 % error at one
-        # row); a proposer whose drafts never land commits 1 every step: no noise, stopped at once.
-        losing = speedup is not None and speedup * (1.0 + guard.noise) < 1.0 - GUARD_MARGIN
+        """A probe backs off (losing) or resets the interval and lifts a method's cap; only the
+        steps the plan chose to draft can lower it (a probe of a method the plan left idle
+        measures a step it did not want). Losing where its first drafts alone would have paid
+        (their hits at a window of 2's cost), the method keeps its first draft: SmolLM2's MTP at
+        one client read 0.86x plain at windows of 3-4 on a hard stretch where they read 0.99x,
+        and off it lost the 1.2x k = 1 gave after. Else, or losing at k <= 1, it is off."""
+        losing = self._loses(guard, self.speedup(guard))
         if ended_probe:
             guard.interval = min(2 * guard.interval, self.probe_steps[1]) if losing else self.probe_steps[0]
-            guard.allowed = guard.allowed or not losing
+            if not losing:
+                guard.k_max = math.inf
+            elif guard.k_max == 1:
+                guard.restart(probe=0)  # its first draft is judged on its own steps, not the probe's
+        elif losing and guard.k_max == math.inf and not self._loses(guard, self.speedup(guard, first=True)):
+            guard.k_max = 1
+            guard.restart(probe=0)
         elif losing:
-            guard.allowed = False
+            guard.k_max = 0
+
+    @staticmethod
+    def _loses(guard: Guard, speedup: float | None) -> bool:
+        """Behind plain by the margin even one standard error up. A step commits 1 to k + 1
+        tokens, so 16 steps of a head worth 1.1x read ~0.95 often (~14 % error at one row); a
+        proposer whose drafts never land commits 1 every step: no noise, stopped at once."""
+        return speedup is not None and speedup * (1.0 + guard.noise) < 1.0 - GUARD_MARGIN
 
     # ---- reporting ---------------------------------------------------------------------------
     def explain(self, method: str, rows: int = 1) -> str:
@@ -245,8 +267,9 @@ class Policy:
             return "not measured yet"
         speedup = self.speedup(guard)
         measured = f"measured {speedup:.2f}x plain" if speedup else "not measured yet"
-        if guard.state in ("off", "idle"):
-            why = "" if guard.state == "off" else " (no gain expected at the measured acceptance)"
+        if guard.state in ("off", "idle", "capped"):
+            why = {"idle": " (no gain expected at the measured acceptance)",
+                   "capped": " at its first draft (its deeper windows lost)"}.get(guard.state, "")
             return (f"{guard.state} at batch {rows}: {measured}{why}; probed again within "
                     f"{guard.interval - guard.waited} steps")
         return f"{guard.state} at batch {rows}: {measured}"
