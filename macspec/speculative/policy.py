@@ -8,9 +8,10 @@ drafting row takes all the k its window allows (min(W - 1, its k_max)): the wind
 Two measured promises bound it. A guard per (method, batch bucket) compares the committed tokens
 per second of that method's last drafting steps with what plain decoding costs now at each step's
 own row count (a bucket spans rows; a plain step priced when a step ran goes stale): trailing by
-more than GUARD_MARGIN, even one standard error of its tokens up, turns the method off there until
-a probe, after `interval` steps (doubling while probes lose), measures it winning; a method the
-plan leaves idle that long is probed too, and nothing is off before a probe measured it. And each
+more than GUARD_MARGIN, even one standard error of its tokens up, lowers the method there one rung
+(its first draft alone, where that would have paid, else off) until a probe, after `interval`
+steps (doubling while probes lose), measures it winning; a method the plan leaves idle that long
+is probed too, and nothing is off before a probe measured it. And each
 request keeps its pace: one behind plain decoding's pace by GUARD_MARGIN takes no window it
 expects to slow it further (a row that does not draft pays the batch's window all the same).
 """
