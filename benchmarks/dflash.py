@@ -75,9 +75,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dflash-drafter", default=None, help="a drafter dir to measure instead of the "
+                    "one shipped with the target (e.g. a `macspec forge smollm2-dflash --out DIR`)")
     args = ap.parse_args()
     profile = load_profile(args.target)
     profile.override("speculative.method", "none", "bench")
+    if args.dflash_drafter:
+        profile.override("speculative.dflash_drafter", args.dflash_drafter, "bench")
     runtime = Runtime.load(profile)
     engine = calibrated_engine(runtime, max_batch=1)
     if args.target == "smollm2":

@@ -99,7 +99,7 @@ def run(table: str, rows: int, stream: Stream, k: int | None, steps: int = 400, 
     rng = random.Random(seed)
     policy = seeded_policy(table, size, rows, k_max, calibration_bias)
     prior, finished = Acceptance(memory=METHOD_MEMORY), []
-    estimates = [Acceptance(prior.alphas(1)[0]) for _ in range(rows)]
+    estimates = [Acceptance(prior.measured(k_max)) for _ in range(rows)]
     states: list[dict] = [_request(rng, spread) for _ in range(rows)]
     paces = [Pace() for _ in range(rows)]
     spent, total = 0.0, 0
@@ -123,7 +123,7 @@ def run(table: str, rows: int, stream: Stream, k: int | None, steps: int = 400, 
             states[i]["done"] = states[i].get("done", 0) + n
             if tokens is not None and states[i]["done"] >= tokens:
                 remember(finished, estimates[i])
-                estimates[i], states[i], paces[i] = Acceptance(prior.alphas(1)[0]), _request(rng, spread), Pace()
+                estimates[i], states[i], paces[i] = Acceptance(prior.measured(k_max)), _request(rng, spread), Pace()
     return total / spent
 
 
@@ -178,7 +178,7 @@ def burst(heads: list[str], tokens: int, k: int | None, seed: int = 0, k_max: in
             policy.costs.seed("sim", rows, window, windows[window - 1] / 1e3)
     prior, finished = Acceptance(memory=METHOD_MEMORY), []
     for _ in range(rounds):
-        live = [{"head": HEADS[h], "left": tokens, "estimate": Acceptance(prior.alphas(1)[0]),
+        live = [{"head": HEADS[h], "left": tokens, "estimate": Acceptance(prior.measured(k_max)),
                  "pace": Pace()} for h in heads]
         spent = 0.0
         while live:
@@ -215,7 +215,7 @@ def in_turn(table: str, heads: list[str], k: int | None, tokens: int = 128, requ
     spent, total, seconds = 0.0, 0, {h: 0.0 for h in heads}
     for r in range(requests):
         head = heads[r % len(heads)]
-        estimate, pace, left, began = Acceptance(prior.alphas(1)[0]), Pace(), tokens, spent
+        estimate, pace, left, began = Acceptance(prior.measured(k_max)), Pace(), tokens, spent
         while left > 0:
             share_weight([estimate], finished)
             row = PlanRow("sim", min(k_max, left - 1), estimate.alphas(k_max), fixed=k is not None, pace=pace)

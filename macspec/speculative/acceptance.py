@@ -24,10 +24,15 @@ def expected_tokens(alphas: list[float], k: int) -> float:
 
 class Acceptance:
     """Hits and trials per position, decayed at every observation, on top of PRIOR_TRIALS
-    pseudo-trials: at `start` for the first position (a method's prior, or ALPHA_PRIOR), at the
-    estimate of the position before for the others. A position rarely reached therefore drifts
-    back to the one before it: neither a start nor one bad stretch caps k, and the deeper drafts
-    get measured. A request's estimate observes each of its steps, drafted or not: one that fell
+    pseudo-trials: for the first position at `start` (a method's prior, or ALPHA_PRIOR), for the
+    others at the estimate of the position before, times what the method's requests measured
+    there against it (its prior's ratio; 1 where unmeasured). A position rarely reached therefore
+    drifts back to its predecessor as the method's requests see them: a request expecting of its
+    second draft what its first gets drafted windows of 3 first where the method measured 0.81
+    then 0.39 (tiny-moe's MTP head: 0.94x k = 1 at one client, simulated), while deep acceptance
+    still moves with the request's own first (0.5-0.6 in a hard stretch, not the prior's 0.95).
+    Neither a start nor one bad stretch caps k for ever: the prior's unreached positions drift
+    back the same way. A request's estimate observes each of its steps, drafted or not: one that fell
     below break-even on the hard text after its prompt drafts again once that evidence is old
     (else it never drafted again: 0.92x the best fixed k, simulated on tiny-moe). A step that
     drafted nothing ages the evidence at half the rate: a request whose drafts never land drafts
@@ -37,8 +42,10 @@ class Acceptance:
     serve that prompt took 0.98x plain's time. What the start weighs (`weight`) is measured across
     requests: see share_weight()."""
 
-    def __init__(self, start: float | None = None, memory: float = REQUEST_MEMORY):
-        self.start = ALPHA_PRIOR if start is None else start
+    def __init__(self, starts: list[float] | None = None, memory: float = REQUEST_MEMORY):
+        starts = list(starts) if starts else [ALPHA_PRIOR]
+        self.start = starts[0]
+        self.ratios = [b / a if a > 0 else 1.0 for a, b in zip(starts, starts[1:])]
         self.decay = 1.0 - 1.0 / memory
         self.idle_decay = 1.0 - 0.5 / memory
         self.weight = PRIOR_TRIALS  # the start's pseudo-trials (a deeper position's weigh PRIOR_TRIALS)
@@ -49,9 +56,16 @@ class Acceptance:
         out: list[float] = []
         for i in range(depth):
             hits, trials = (self.hits[i], self.trials[i]) if i < len(self.trials) else (0.0, 0.0)
-            pseudo, weight = (out[-1], PRIOR_TRIALS) if out else (self.start, self.weight)
+            pseudo = min(1.0, out[-1] * self.ratios[i - 1]) if 0 < i <= len(self.ratios) else out[-1] if i else self.start
+            weight = PRIOR_TRIALS if i else self.weight
             out.append((hits + pseudo * weight) / (trials + weight))
         return out
+
+    def measured(self, depth: int) -> list[float]:
+        """Its estimates up to `depth`, through the last position measured PRIOR_TRIALS times (the
+        first always): a new request's starts (an unmeasured position is its own's to drift)."""
+        reached = sum(1 for t in self.trials[1:depth] if t >= PRIOR_TRIALS)
+        return self.alphas(1 + reached)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A step verified `drafted` drafts and accepted the first `accepted`: positions up to the

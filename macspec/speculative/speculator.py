@@ -36,7 +36,7 @@ class Record:
     k_max: int  # the most it drafts a step
     adaptive: bool  # False: k = k_max every step (a fixed-k request)
     acceptance: dict[str, Acceptance]  # by draft kind (base.Offer.kind)
-    starts: dict[str, float]  # where a kind's first-position estimate starts on it
+    starts: dict[str, list[float]]  # where a kind's estimate starts on it, per position
     stats: SpecStats = field(default_factory=SpecStats)
     pace: Pace = field(default_factory=Pace)  # its decode time against plain decoding's
     offer: Offer | None = None  # its proposer's offer for this step
@@ -85,11 +85,11 @@ class Speculator:
         """A request's record. `isolated`: its estimates start from no other request's (a seeded
         sampling request replays exactly only if its choices do)."""
         group = self.group(method)
-        starts = {} if isolated else {kind: prior.alphas(1)[0]
+        starts = {} if isolated else {kind: prior.measured(k_max)
                                       for (m, kind), prior in self.priors.items() if m == method}
         for kind in LOOKUP_KINDS:  # a lookup kind's record is the request's own: an edit
             if kind in starts:  # restates where a chat never did, so each request tries afresh
-                starts[kind] = max(starts[kind], ALPHA_PRIOR)
+                starts[kind] = [max(starts[kind][0], ALPHA_PRIOR)]
         return Record(method, group, 0 if group is None else k_max, adaptive, {}, starts)
 
     def start(self, seq, hidden: mx.array | None, hidden_start: int) -> None:
@@ -270,7 +270,7 @@ class Speculator:
                                       paired=p.model_key is not None)
                 for p in proposers.PROPOSERS}
         for method, alphas in kept.load_priors(path, keys).items():
-            self.priors[(method, "drafts")] = Acceptance(alphas[0], memory=METHOD_MEMORY)
+            self.priors[(method, "drafts")] = Acceptance(alphas, memory=METHOD_MEMORY)
             self.remembered[method] = alphas[0]
         return lambda: kept.save_priors(path, keys, {m: p.alphas(self.settings.num_draft_tokens)
                                                      for (m, kind), p in self.priors.items() if kind == "drafts"})
