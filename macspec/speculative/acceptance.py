@@ -56,14 +56,17 @@ class Acceptance:
         out: list[float] = []
         for i in range(depth):
             hits, trials = (self.hits[i], self.trials[i]) if i < len(self.trials) else (0.0, 0.0)
-            pseudo = min(1.0, out[-1] * self.ratios[i - 1]) if 0 < i <= len(self.ratios) else out[-1] if i else self.start
-            weight = PRIOR_TRIALS if i else self.weight
+            if i:
+                ratio = self.ratios[i - 1] if i <= len(self.ratios) else 1.0
+                pseudo, weight = min(1.0, out[-1] * ratio), PRIOR_TRIALS
+            else:
+                pseudo, weight = self.start, self.weight
             out.append((hits + pseudo * weight) / (trials + weight))
         return out
 
     def measured(self, depth: int) -> list[float]:
         """Its estimates up to `depth`, through the last position measured PRIOR_TRIALS times (the
-        first always): a new request's starts (an unmeasured position is its own's to drift)."""
+        first always): a new request's starts (past them, its own estimates drift)."""
         reached = sum(1 for t in self.trials[1:depth] if t >= PRIOR_TRIALS)
         return self.alphas(1 + reached)
 

@@ -212,17 +212,17 @@ class Policy:
             guard.spent_s = guard.spent_s * DECAY + seconds
             guard.first_s = guard.first_s * DECAY + self.costs.seconds(chain_of(rows, ks), len(rows), 2)
             guard.steps += 1
-            was, measured = guard.k_max, self.speedup(guard) or 0.0
+            was, verdict = guard.k_max, None
             if guard.probe_left:
                 guard.probe_left -= 1
                 if not guard.probe_left:
-                    self._judge(guard, ended_probe=True)
+                    verdict = self._judge(guard, ended_probe=True)
             elif guard.steps >= VERDICT_STEPS:
-                self._judge(guard, ended_probe=False)
+                verdict = self._judge(guard, ended_probe=False)
             if guard.k_max != was:
                 logger.info("%s %s at batch %d: measured %.2fx plain%s", method,
                             {0: "off", 1: "at k <= 1"}.get(guard.k_max, "on"), bucket(len(rows)),
-                            measured, "" if guard.k_max == math.inf else f"; probed within {guard.interval} steps")
+                            verdict or 0.0, "" if guard.k_max == math.inf else f"; probed within {guard.interval} steps")
 
     def speedup(self, guard: Guard, first: bool = False) -> float | None:
         """Its steps' tokens at what a plain step costs now at each one's row count, over the
@@ -233,14 +233,16 @@ class Policy:
             return None
         return sum(n * self.costs.seconds("", rows, 1) for rows, n in units.items()) / spent_s
 
-    def _judge(self, guard: Guard, ended_probe: bool) -> None:
+    def _judge(self, guard: Guard, ended_probe: bool) -> float | None:
         """A probe backs off (losing) or resets the interval and lifts a method's cap; only the
         steps the plan chose to draft can lower it (a probe of a method the plan left idle
         measures a step it did not want). Losing where its first drafts alone would have paid
         (their hits at a window of 2's cost), the method keeps its first draft: SmolLM2's MTP at
         one client read 0.86x plain at windows of 3-4 on a hard stretch where they read 0.99x,
-        and off it lost the 1.2x k = 1 gave after. Else, or losing at k <= 1, it is off."""
-        losing = self._loses(guard, self.speedup(guard))
+        and off it lost the 1.2x k = 1 gave after. Else, or losing at k <= 1, it is off.
+        -> the speed-up it judged."""
+        speedup = self.speedup(guard)
+        losing = self._loses(guard, speedup)
         if ended_probe:
             guard.interval = min(2 * guard.interval, self.probe_steps[1]) if losing else self.probe_steps[0]
             if not losing:
@@ -252,6 +254,7 @@ class Policy:
             guard.restart(probe=0)
         elif losing:
             guard.k_max = 0
+        return speedup
 
     @staticmethod
     def _loses(guard: Guard, speedup: float | None) -> bool:
