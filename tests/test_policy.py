@@ -165,6 +165,26 @@ def test_a_method_whose_deeper_windows_lose_keeps_its_first_draft():
     assert policy.explain("m").startswith("capped at batch 1"), policy.explain("m")
 
 
+def test_a_first_trial_that_misses_does_not_lengthen_the_wait_before_a_probe():
+    """A method's first steps at a batch size (a server's warm-up) miss and it is turned off: it
+    is probed again after the shortest wait, and only probes that lose lengthen the next wait
+    (a warm-up trial's loss held SmolLM2's EAGLE-3 at k <= 1 for 128 steps, the whole level)."""
+    cost = [0.010, 0.012, 0.016, 0.017, 0.022]
+    policy = Policy(probe_min_steps=64, probe_max_steps=4096)
+    for window in (1, 2, 5):
+        policy.costs.seed("" if window == 1 else "m", 1, window, cost[window - 1])
+    drafted = []
+    for step in range(300):
+        row = PlanRow("m", 4, [0.7, 0.7, 0.7, 0.7])
+        k = policy.plan([row])[0]
+        policy.observe_step([row], [k], cost[k], [1])
+        drafted.append(k > 0)
+    starts = [i for i in range(1, 300) if drafted[i] and not drafted[i - 1]]
+    ends = [i for i in range(1, 300) if drafted[i - 1] and not drafted[i]]
+    assert starts[1] - ends[0] <= 64 + 1, starts  # off, then probed within the shortest wait
+    assert starts[2] - ends[1] >= 2 * 64, starts  # that probe lost: the next waits twice as long
+
+
 def test_drafting_while_a_batch_drains_is_priced_at_its_own_row_count():
     """A batch of 16 drains to 9 (one bucket). Plain decoding costs 100 ms a step at 16 rows and
     70 at 9; drafting at 9 rows costs 100 ms for 1.33 tokens a row: 0.93x plain there. Priced at

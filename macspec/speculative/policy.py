@@ -10,7 +10,7 @@ per second of that method's last drafting steps with what plain decoding costs n
 own row count (a bucket spans rows; a plain step priced when a step ran goes stale): trailing by
 more than GUARD_MARGIN, even one standard error of its tokens up, lowers the method there one rung
 (its first draft alone, where that would have paid, else off) until a probe, after `interval`
-steps (doubling while probes lose), measures it winning; a method the plan leaves idle that long
+steps (doubling while re-probes lose), measures it winning; a method the plan leaves idle that long
 is probed too, and nothing is off before a probe measured it. And each
 request keeps its pace: one behind plain decoding's pace by GUARD_MARGIN takes no window it
 expects to slow it further (a row that does not draft pays the batch's window all the same).
@@ -78,6 +78,7 @@ class Guard:
     probe_left: int = PROBE_STEPS
     k_max: float = math.inf  # the most k the plan may give it here: 1 its first draft alone, 0 off
     waited: int = 0  # steps it could have drafted here (or deeper) and did not
+    probes: int = 0  # probes judged here, its first trial included
     units: dict[int, float] = field(default_factory=dict)  # rows -> tokens committed per row
     squares: float = 0.0  # each step's tokens per row, squared (decayed): their noise
     weight: float = 0.0  # steps, decayed as the rest
@@ -244,7 +245,9 @@ class Policy:
         speedup = self.speedup(guard)
         losing = self._loses(guard, speedup)
         if ended_probe:
-            guard.interval = min(2 * guard.interval, self.probe_steps[1]) if losing else self.probe_steps[0]
+            backoff = losing and guard.probes  # a first trial's loss is the warm-up's, not a re-probe's
+            guard.interval = min(2 * guard.interval, self.probe_steps[1]) if backoff else self.probe_steps[0]
+            guard.probes += 1
             if not losing:
                 guard.k_max = math.inf
             elif guard.k_max == 1:
