@@ -145,15 +145,24 @@ def test_a_useless_proposer_is_measured_first_then_stops_drafting():
     assert re.match(r"(idle|off) at batch 1: measured 0\.\d+x plain", policy.explain("m")), policy.explain("m")
 
 
+ONE_ROW_COST = [0.010, 0.012, 0.016, 0.017, 0.022]  # a step's seconds at one row, by window
+
+
+def one_row_policy() -> Policy:
+    """A policy whose table a calibration seeded with ONE_ROW_COST's windows 1, 2 and 5 for
+    method "m" at one row."""
+    policy = Policy(probe_min_steps=64, probe_max_steps=4096)
+    for window in (1, 2, 5):
+        policy.costs.seed("" if window == 1 else "m", 1, window, ONE_ROW_COST[window - 1])
+    return policy
+
+
 def test_a_method_whose_deeper_windows_lose_keeps_its_first_draft():
     """The plan expects more of the deeper drafts than they give (a stretch, a start): its windows
     of 4 read 0.88x plain, where the first draft alone, landing every other step, pays 1.25x.
     The guard keeps the first draft rather than turning the method off (before: 0.96x plain;
     SmolLM2's MTP at one client through serve sat at 1.00x where k = 1 read 1.21x)."""
-    cost = [0.010, 0.012, 0.016, 0.017, 0.022]  # a step's seconds by window
-    policy = Policy(probe_min_steps=64, probe_max_steps=4096)
-    for window in (1, 2, 5):  # what a calibration seeds
-        policy.costs.seed("" if window == 1 else "m", 1, window, cost[window - 1])
+    cost, policy = ONE_ROW_COST, one_row_policy()
     spent = tokens = 0
     for step in range(600):
         row = PlanRow("m", 4, [0.7, 0.7, 0.7, 0.7])
@@ -169,10 +178,7 @@ def test_a_first_trial_that_misses_does_not_lengthen_the_wait_before_a_probe():
     """A method's first steps at a batch size (a server's warm-up) miss and it is turned off: it
     is probed again after the shortest wait, and only probes that lose lengthen the next wait
     (a warm-up trial's loss held SmolLM2's EAGLE-3 at k <= 1 for 128 steps, the whole level)."""
-    cost = [0.010, 0.012, 0.016, 0.017, 0.022]
-    policy = Policy(probe_min_steps=64, probe_max_steps=4096)
-    for window in (1, 2, 5):
-        policy.costs.seed("" if window == 1 else "m", 1, window, cost[window - 1])
+    cost, policy = ONE_ROW_COST, one_row_policy()
     drafted = []
     for step in range(300):
         row = PlanRow("m", 4, [0.7, 0.7, 0.7, 0.7])
