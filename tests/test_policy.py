@@ -222,12 +222,15 @@ def test_the_step_cost_table_reads_unmeasured_cells_off_its_neighbours():
     costs.seed("", 1, 1, 0.010)
     costs.seed("", 1, 5, 0.020)
     costs.seed("", 4, 1, 0.016)
+    costs.seed("", 4, 5, 0.040)
     assert costs.seconds("", 1, 3) == pytest.approx(0.010)  # the window below it's: tried, then measured
     assert costs.seconds("", 1, 9) == pytest.approx(0.020)  # flat beyond what was measured
     assert costs.seconds("", 2, 1) == pytest.approx(0.012)  # linear in rows between buckets
     assert costs.seconds("m", 1, 5) == pytest.approx(0.020)  # a chain never timed: the forward's
     costs.observe("", 1, 1, 0.015)  # the first real step: its bucket's seeds lacked host work
     assert costs.seconds("", 1, 5) == pytest.approx(0.030)
+    costs.observe("", 3, 2, 0.020)  # a draining batch meets 3 rows, and a window of 2 there
+    assert costs.seconds("", 3, 5) == pytest.approx(0.030 + 0.010 * 2 / 3)  # not 3 rows' W = 2
     for glitch in (float("nan"), float("inf"), -1.0, 0.0):
         costs.observe("", 1, 1, glitch)
     assert costs.seconds("", 1, 1) == pytest.approx(0.015)

@@ -161,15 +161,21 @@ class Eagle3Head(nn.Module):
     def __call__(self, tokens: mx.array, states: mx.array, target, cache=None):
         """tokens [B, L] (token t+1), states [B, L, 3·H] (the target's, fused by fc) or [B, L, H]
         (its own output, chained) -> (logits over the target's vocabulary, output state)."""
-        logits, h = self.forward(tokens, states, target, cache)
-        if not self.identity_vocab:
-            logits = self.to_target_vocab(logits)
-        return logits, h
+        h = self.hidden(tokens, states, target, cache)
+        return self.logits(h, target), h
+
+    def hidden(self, tokens: mx.array, states: mx.array, target, cache=None) -> mx.array:
+        """The block's output states [B, L, H] alone: logits are read where a draft is made."""
+        return self.midlayer(*self._block_input(tokens, states, target, cache), cache)
+
+    def logits(self, h: mx.array, target=None) -> mx.array:
+        """Output states -> logits over the target's vocabulary."""
+        logits = self.lm_head(self.norm(h))
+        return logits if self.identity_vocab else self.to_target_vocab(logits)
 
     def forward(self, tokens: mx.array, states: mx.array, target, cache=None):
         """As __call__, with logits over the draft vocabulary (training)."""
-        embeds, hidden, mask = self._block_input(tokens, states, target, cache)
-        h = self.midlayer(embeds, hidden, mask, cache)
+        h = self.hidden(tokens, states, target, cache)
         return self.lm_head(self.norm(h)), h
 
     def feed(self, tokens: mx.array, states: mx.array, target, cache) -> None:

@@ -62,10 +62,21 @@ class MTPHead(nn.Module):
     def __call__(self, tokens: mx.array, prev_hidden: mx.array, target, cache=None):
         """tokens [B, L] (token t+1), prev_hidden [B, L, H] (state at t) -> (logits over the
         target's vocabulary, hidden)."""
-        logits, h = self.forward(tokens, prev_hidden, target, cache)
-        if self.has_subset_vocab:
-            logits = self.to_target_vocab(logits)
-        return logits, h
+        h = self.hidden(tokens, prev_hidden, target, cache)
+        return self.logits(h, target), h
+
+    def hidden(self, tokens: mx.array, prev_hidden: mx.array, target, cache=None) -> mx.array:
+        """The block's output states [B, L, H] alone: logits are read where a draft is made."""
+        h, mask = self._block_input(tokens, prev_hidden, target, cache)
+        return self.block(h, mask, cache)
+
+    def logits(self, h: mx.array, target) -> mx.array:
+        """Output states -> logits over the target's vocabulary."""
+        normed = self.shared_head.norm(h)
+        if "head" not in self.shared_head:
+            return target.logits(normed)
+        logits = self.shared_head.head(normed)
+        return self.to_target_vocab(logits) if self.has_subset_vocab else logits
 
     def to_target_vocab(self, logits: mx.array) -> mx.array:
         """Subset logits [..., N] -> [..., target vocab], -inf outside the subset."""
@@ -73,8 +84,7 @@ class MTPHead(nn.Module):
 
     def forward(self, tokens: mx.array, prev_hidden: mx.array, target, cache=None):
         """As __call__, with the logits over the head's own vocabulary (training)."""
-        h, mask = self._block_input(tokens, prev_hidden, target, cache)
-        h = self.block(h, mask, cache)
+        h = self.hidden(tokens, prev_hidden, target, cache)
         normed = self.shared_head.norm(h)
         if "head" in self.shared_head:
             return self.shared_head.head(normed), h

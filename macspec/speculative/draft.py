@@ -17,6 +17,7 @@ from ..kv.cache import eval_cache, leaves, make_trimmable_cache
 from ..kv.prefix import PrefixCache
 from ..models.compat import check_draft_compatible
 from ..models.loader import load_model
+from ..models.view import ModelView
 from ..monitor.memory import compute_dtype_bytes, kv_bytes_per_token as model_kv_bytes
 from ..progress import phase
 from .base import ChainGroup, ChainRow, pad_rows
@@ -65,6 +66,8 @@ class DraftGroup(ChainGroup):
     def __init__(self, model: nn.Module, vocab_size: int, prefill_chunk: int = 512, kept_bytes: int = 0):
         super().__init__(BatchKV(layout_of(make_trimmable_cache(model))), vocab_size)
         self.model = model
+        self.view = ModelView(model)
+        self.final_states: bool | None = None  # see _logits_from_hidden
         self.prefill_chunk = prefill_chunk
         self.fed: dict[int, int] = {}  # row -> committed tokens its KV holds
         self.tokens: dict[int, list[int]] = {}  # row -> its request's committed tokens
@@ -111,12 +114,22 @@ class DraftGroup(ChainGroup):
         pending = [row.committed[self.fed[row.key]:] for row in rows]
         width = max(len(p) for p in pending)
         self.kv.begin(width)
-        logits = self.model(pad_rows(pending, width), cache=self.kv.layers)
-        last = mx.array([len(p) - 1 for p in pending])
+        tokens, last = pad_rows(pending, width), (mx.arange(len(rows)), mx.array([len(p) - 1 for p in pending]))
+        if width > 1 and self._logits_from_hidden():  # the vocabulary's projection at the last alone
+            logits = self.view.logits(self.view.hidden(tokens, cache=self.kv.layers)[last])
+        else:
+            logits = self.model(tokens, cache=self.kv.layers)[last]
         for index, (row, p) in enumerate(zip(rows, pending)):
             self.kv.advance(index, len(p))
             self.fed[row.key] += len(p)
-        return logits[mx.arange(len(rows)), last]
+        return logits
+
+    def _logits_from_hidden(self) -> bool:
+        """Whether the draft's logits are its final states' projection (no soft-capping after
+        it): then a row fed several tokens is projected at its last alone. Checked once."""
+        if self.final_states is None:
+            self.final_states = self.view.hidden_is_final()
+        return self.final_states
 
     def _next_logits(self, tokens: mx.array) -> mx.array:
         self.kv.begin(1)
