@@ -231,6 +231,8 @@ def test_the_step_cost_table_reads_unmeasured_cells_off_its_neighbours():
     assert costs.seconds("", 1, 5) == pytest.approx(0.030)
     costs.observe("", 3, 2, 0.020)  # a draining batch meets 3 rows, and a window of 2 there
     assert costs.seconds("", 3, 5) == pytest.approx(0.030 + 0.010 * 2 / 3)  # not 3 rows' W = 2
+    costs.observe("", 4, 3, 0.050)  # a window measured at 4 rows alone says nothing of one row's
+    assert costs.seconds("", 1, 3) == pytest.approx(0.015)
     for glitch in (float("nan"), float("inf"), -1.0, 0.0):
         costs.observe("", 1, 1, glitch)
     assert costs.seconds("", 1, 1) == pytest.approx(0.015)

@@ -9,11 +9,12 @@ fuller ones (drafting while it drained read as a gain; tiny-wide, c = 16).
 lookup drafts); the window is k + 1 positions per row. Start-up calibration seeds cells; a seed
 stands until the first real step of its cell, and that step rescales the other seeds at its row
 count by how far it was off (calibration times the forward alone, not the host work). A cell
-nothing measured or seeded is read off its neighbours: linear in rows between the row counts
-that know its window (flat beyond them: a batch draining through 15 rows, its window of 2 alone
-measured there, read deeper windows at that window's cost, and a probe there ran W = 5 at 2.2x a
-plain step; SmolLM2, 16 clients). A window no row count knows is read at each row count as the
-nearest window below it (so it gets tried, and measured: a window's cost need not grow linearly,
+nothing measured or seeded is read off its neighbours: linear in rows between row counts that
+know its window, where some below and some above do (a batch draining through 15 rows, its
+window of 2 alone measured there, read deeper windows at that window's cost, and a probe there
+ran W = 5 at 2.2x a plain step; SmolLM2, 16 clients; read flat from 16 rows down to one, a
+window of 3 measured only at 16 rows kept MTP at one row from drafting). Else a window is read
+at each row count as the nearest window below it (so it gets tried, and measured: a window's cost need not grow linearly,
 and tiny-wide's 4 rows cost less at W = 4 than at W = 3; read linearly from the seeds at 2 and 5,
 W = 4 was priced 17 % high and adaptive trailed k = 3 by 5.5 % there, simulated), then linear in
 rows. A chain never timed costs what the forward alone does (so it gets tried).
@@ -89,7 +90,7 @@ class StepCosts:
             if c == chain:
                 by_rows.setdefault(r, {})[w] = known.seconds
         at_window = {r: ws[window] for r, ws in by_rows.items() if window in ws}
-        if at_window:  # this window measured at other row counts: linear in rows between them
+        if at_window and min(at_window) <= rows <= max(at_window):  # known on both sides
             return _interpolate(at_window, rows)
         value = _interpolate({r: _at_or_below(ws, window) for r, ws in by_rows.items()}, rows)
         if value is None:
