@@ -104,7 +104,7 @@ def run(table: str, rows: int, stream: Stream, k: int | None, steps: int = 400, 
     paces = [Pace() for _ in range(rows)]
     spent, total = 0.0, 0
     for step in range(steps):
-        share_weight(estimates, finished)
+        share_weight(estimates, finished, prior)
         plan_rows = [PlanRow("sim", k_max, e.alphas(k_max), fixed=k is not None, pace=pace)
                      for e, pace in zip(estimates, paces)]
         if k is not None:
@@ -182,7 +182,7 @@ def burst(heads: list[str], tokens: int, k: int | None, seed: int = 0, k_max: in
                  "pace": Pace()} for h in heads]
         spent = 0.0
         while live:
-            share_weight([r["estimate"] for r in live], finished)
+            share_weight([r["estimate"] for r in live], finished, prior)
             plan_rows = [PlanRow("sim", min(k_max, r["left"] - 1), r["estimate"].alphas(k_max),
                                  fixed=k is not None, pace=r["pace"]) for r in live]
             ks = [min(k, row.k_max) for row in plan_rows] if k is not None else policy.plan(plan_rows)
@@ -217,7 +217,7 @@ def in_turn(table: str, heads: list[str], k: int | None, tokens: int = 128, requ
         head = heads[r % len(heads)]
         estimate, pace, left, began = Acceptance(prior.measured(k_max)), Pace(), tokens, spent
         while left > 0:
-            share_weight([estimate], finished)
+            share_weight([estimate], finished, prior)
             row = PlanRow("sim", min(k_max, left - 1), estimate.alphas(k_max), fixed=k is not None, pace=pace)
             ks = [min(k, row.k_max)] if k is not None else policy.plan([row])
             step = step_seconds(table, 1, max(ks) + 1) * (1.0 + rng.uniform(-noise, noise))

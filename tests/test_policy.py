@@ -15,7 +15,7 @@ from macspec.engine.engine import Engine
 from macspec.engine.runtime import Runtime
 from macspec.models.loader import load_model, resolve_path
 from macspec.sampling import SamplingParams
-from macspec.speculative.acceptance import Acceptance
+from macspec.speculative.acceptance import METHOD_MEMORY, Acceptance, remember, share_weight
 from macspec.speculative.costs import StepCosts
 from macspec.speculative.policy import Pace, PlanRow, Policy
 
@@ -261,6 +261,26 @@ def test_first_observations_move_the_estimate_at_once_later_ones_average():
     before = estimate.alphas(1)[0]
     estimate.observe(1, 0)
     assert before - estimate.alphas(1)[0] < 0.1 * before  # one rejection no longer swings it
+
+
+def test_a_few_unlucky_finished_requests_do_not_hold_later_ones_below_what_the_method_accepts():
+    """After a 16-client burst few requests had drafted enough to count: two, 7.7 trials, their
+    evidence ending in the rejections that stopped them. Their mean (0.10) held every later
+    request there with 16 pseudo-trials while the method's drafts were accepted 0.45, and MTP at
+    one client stopped drafting (1.02x spec off against k = 1's 1.24x, through serve)."""
+    prior = Acceptance(memory=METHOD_MEMORY)
+    for i in range(400):  # the method's drafts: 9 in 20 accepted
+        prior.observe(1, int(i % 20 < 9))
+    finished: list[Acceptance] = []
+    for hits in ([0, 0, 0, 0], [1, 0, 0, 0]):
+        request = Acceptance(prior.measured(1))
+        for hit in hits:
+            request.observe(1, hit)
+        remember(finished, request)
+    later = Acceptance(prior.measured(1))
+    later.observe(1, 1)  # its first draft lands
+    share_weight([later], finished, prior)
+    assert later.alphas(1)[0] > 0.4
 
 
 # ---- through the engine -----------------------------------------------------------------------

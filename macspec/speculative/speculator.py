@@ -121,7 +121,7 @@ class Speculator:
             for kind, estimate in _shared(seq.spec):
                 estimates.setdefault((seq.spec.method, kind), []).append(estimate)
         for key, group in estimates.items():
-            share_weight(group, self.finished.get(key, ()))
+            share_weight(group, self.finished.get(key, ()), self.priors.get(key))
 
     def _plan_row(self, seq, max_context: int) -> PlanRow:
         record = seq.spec
