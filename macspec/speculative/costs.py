@@ -13,11 +13,12 @@ nothing measured or seeded is read off its neighbours: linear in rows between ro
 know its window, where some below and some above do (a batch draining through 15 rows, its
 window of 2 alone measured there, read deeper windows at that window's cost, and a probe there
 ran W = 5 at 2.2x a plain step; SmolLM2, 16 clients; read flat from 16 rows down to one, a
-window of 3 measured only at 16 rows kept MTP at one row from drafting). Else a window is read
-at each row count as the nearest window below it (so it gets tried, and measured: a window's cost need not grow linearly,
-and tiny-wide's 4 rows cost less at W = 4 than at W = 3; read linearly from the seeds at 2 and 5,
-W = 4 was priced 17 % high and adaptive trailed k = 3 by 5.5 % there, simulated), then linear in
-rows. A chain never timed costs what the forward alone does (so it gets tried).
+window of 3 measured only there would price one row's at 16 rows' cost). Else a window is
+read at each row count as the nearest window below it (so it gets tried, and measured: a
+window's cost need not grow linearly, and tiny-wide's 4 rows cost less at W = 4 than at W = 3;
+read linearly from the seeds at 2 and 5, W = 4 was priced 17 % high and adaptive trailed k = 3
+by 5.5 % there, simulated), then linear in rows. A chain never timed costs what the forward
+alone does (so it gets tried).
 """
 
 from __future__ import annotations
