@@ -267,7 +267,7 @@ def test_a_few_unlucky_finished_requests_do_not_hold_later_ones_below_what_the_m
     """After a 16-client burst few requests had drafted enough to count: two, 7.7 trials, their
     evidence ending in the rejections that stopped them. Their mean (0.10) held every later
     request there with 16 pseudo-trials while the method's drafts were accepted 0.45, and MTP at
-    one client stopped drafting (1.02x spec off against k = 1's 1.24x, through serve)."""
+    one client stopped drafting (mean k 0.1 through serve, where k = 1 read ~1.25x spec off)."""
     prior = Acceptance(memory=METHOD_MEMORY)
     for i in range(400):  # the method's drafts: 9 in 20 accepted
         prior.observe(1, int(i % 20 < 9))

@@ -105,7 +105,7 @@ def share_weight(estimates: list[Acceptance], finished: list[Acceptance] = (), p
     Not the pool's own mean: after 16 clients, two finished requests counted (7.7 trials, their
     evidence ending in the rejections that stopped them) and held every later request at 0.10
     with 16 pseudo-trials while the method's drafts were accepted 0.45 (SmolLM2's MTP at one
-    client through serve: mean k 0.1, 1.02x spec off against k = 1's 1.24x). A
+    client through serve, traced: mean k 0.1, 0.99x spec off where k = 1 read ~1.25x). A
     fixed 3 at 16 rows let one unlucky request fall below break-even and veto every row's window
     (policy.py's pace): adaptive read 0.93x k = 1 (simulated). The spread is measured over the
     live requests and the method's recently `finished` ones (remember()): at 4 rows, requests
