@@ -170,13 +170,16 @@ class Eagle3Head(nn.Module):
 
     def logits(self, h: mx.array, target=None) -> mx.array:
         """Output states -> logits over the target's vocabulary."""
-        logits = self.lm_head(self.norm(h))
+        logits = self._draft_logits(h)
         return logits if self.identity_vocab else self.to_target_vocab(logits)
+
+    def _draft_logits(self, h: mx.array) -> mx.array:
+        return self.lm_head(self.norm(h))
 
     def forward(self, tokens: mx.array, states: mx.array, target, cache=None):
         """As __call__, with logits over the draft vocabulary (training)."""
         h = self.hidden(tokens, states, target, cache)
-        return self.lm_head(self.norm(h)), h
+        return self._draft_logits(h), h
 
     def feed(self, tokens: mx.array, states: mx.array, target, cache) -> None:
         """Write these positions' keys and values into `cache` without their outputs."""

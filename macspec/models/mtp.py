@@ -72,11 +72,13 @@ class MTPHead(nn.Module):
 
     def logits(self, h: mx.array, target) -> mx.array:
         """Output states -> logits over the target's vocabulary."""
-        normed = self.shared_head.norm(h)
-        if "head" not in self.shared_head:
-            return target.logits(normed)
-        logits = self.shared_head.head(normed)
+        logits = self._own_logits(h, target)
         return self.to_target_vocab(logits) if self.has_subset_vocab else logits
+
+    def _own_logits(self, h: mx.array, target) -> mx.array:
+        """Output states -> logits over the head's own vocabulary (the target's, shared, if none)."""
+        normed = self.shared_head.norm(h)
+        return self.shared_head.head(normed) if "head" in self.shared_head else target.logits(normed)
 
     def to_target_vocab(self, logits: mx.array) -> mx.array:
         """Subset logits [..., N] -> [..., target vocab], -inf outside the subset."""
@@ -85,10 +87,7 @@ class MTPHead(nn.Module):
     def forward(self, tokens: mx.array, prev_hidden: mx.array, target, cache=None):
         """As __call__, with the logits over the head's own vocabulary (training)."""
         h = self.hidden(tokens, prev_hidden, target, cache)
-        normed = self.shared_head.norm(h)
-        if "head" in self.shared_head:
-            return self.shared_head.head(normed), h
-        return target.logits(normed), h
+        return self._own_logits(h, target), h
 
     def feed(self, tokens: mx.array, prev_hidden: mx.array, target, cache) -> None:
         """Write these positions' keys and values into `cache` without their outputs: the block's

@@ -114,7 +114,8 @@ class DraftGroup(ChainGroup):
         pending = [row.committed[self.fed[row.key]:] for row in rows]
         width = max(len(p) for p in pending)
         self.kv.begin(width)
-        tokens, last = pad_rows(pending, width), (mx.arange(len(rows)), mx.array([len(p) - 1 for p in pending]))
+        tokens = pad_rows(pending, width)
+        last = (mx.arange(len(rows)), mx.array([len(p) - 1 for p in pending]))  # each row's last fed
         if width > 1 and self._logits_from_hidden():  # the vocabulary's projection at the last alone
             logits = self.view.logits(self.view.hidden(tokens, cache=self.kv.layers)[last])
         else:

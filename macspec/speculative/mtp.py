@@ -219,7 +219,7 @@ class MTPGroup(ChainGroup):
 
     def _write(self, followers: list[list[int]], hidden_rows: list[mx.array], outputs: bool = True):
         """One batched head pass over each row's states (padded to the longest), kept. -> the
-        head's output states (None without outputs)."""
+        head's output states (None where `outputs` is off and the attention alone wrote them)."""
         width = max(h.shape[0] for h in hidden_rows)
         hidden = mx.stack([mx.pad(h, [(0, width - h.shape[0]), (0, 0)]) for h in hidden_rows])
         self.kv.begin(width)
