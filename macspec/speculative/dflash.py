@@ -138,6 +138,9 @@ class DFlashGroup(MTPGroup):
         for index, count in enumerate(counts):
             self.kv.advance(index, count)
 
+    def _catch_up(self, rows: list[ChainRow]) -> None:
+        self._feed(rows)  # the block's head is the last committed token: the context is all fed
+
     def _first_logits(self, rows: list[ChainRow]) -> mx.array:
         """Feed the context, then one forward over every row's block: the logits of the positions
         this step drafts (the deepest row's k; the output head over all B - 1 cost SmolLM2's

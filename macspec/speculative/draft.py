@@ -110,6 +110,18 @@ class DraftGroup(ChainGroup):
     def status(self) -> dict:
         return {"kept_prefixes": self.kept.as_dict()}
 
+    def _catch_up(self, rows: list[ChainRow]) -> None:
+        """Each row's unseen tokens but its last, through the model's body alone (no logits)."""
+        backlog = [row.committed[self.fed[row.key]:-1] for row in rows]
+        width = max(len(b) for b in backlog)
+        if not width:
+            return
+        self.kv.begin(width)
+        self.view.hidden(pad_rows(backlog, width), cache=self.kv.layers)
+        for index, (row, b) in enumerate(zip(rows, backlog)):
+            self.kv.advance(index, len(b))
+            self.fed[row.key] += len(b)
+
     def _first_logits(self, rows: list[ChainRow]) -> mx.array:
         pending = [row.committed[self.fed[row.key]:] for row in rows]
         width = max(len(p) for p in pending)

@@ -66,12 +66,14 @@ class MTPRow:
             self.pending, self.num_pending = [merged], merged.shape[0]
             self.next_position += excess
 
-    def take(self) -> mx.array:
-        """The pending rows [n, H]; they count as fed from now on."""
+    def take(self, count: int | None = None) -> mx.array:
+        """The oldest `count` pending rows [n, H] (all by default); they count as fed from now on."""
         rows = mx.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]
-        self.next_position += self.num_pending
-        self.pending, self.num_pending = [], 0
-        return rows
+        count = self.num_pending if count is None else count
+        self.next_position += count
+        rest = rows[count:]
+        self.pending, self.num_pending = ([rest] if rest.shape[0] else []), rest.shape[0]
+        return rows[:count]
 
 
 class WaitingRow:
@@ -191,6 +193,20 @@ class MTPGroup(ChainGroup):
 
     def _can_draft(self, row: ChainRow) -> bool:
         return self.rows[row.key].num_pending > 0
+
+    def _catch_up(self, rows: list[ChainRow]) -> None:
+        """Each row's pending states but its last, written as keys and values alone."""
+        counts = [max(self.rows[row.key].num_pending - 1, 0) for row in rows]
+        if not any(counts):
+            return
+        followers, hidden_rows = [], []
+        for row, count in zip(rows, counts):
+            state = self.rows[row.key]
+            start = state.next_position
+            followers.append(row.committed[start + 1:start + 1 + count])
+            block = state.take(count) if count else mx.zeros((0, self._width), dtype=self._dtype)
+            hidden_rows.append(block.astype(self._dtype))
+        self._write(followers, hidden_rows, outputs=False)
 
     def _first_logits(self, rows: list[ChainRow]) -> mx.array:
         """Feed every row its pending states; -> the logits after its last. An MoE head runs its
