@@ -118,9 +118,7 @@ class DraftGroup(ChainGroup):
             return
         self.kv.begin(width)
         self.view.hidden(pad_rows(backlog, width), cache=self.kv.layers)
-        for index, (row, b) in enumerate(zip(rows, backlog)):
-            self.kv.advance(index, len(b))
-            self.fed[row.key] += len(b)
+        self._advance(rows, backlog)
 
     def _first_logits(self, rows: list[ChainRow]) -> mx.array:
         pending = [row.committed[self.fed[row.key]:] for row in rows]
@@ -132,10 +130,14 @@ class DraftGroup(ChainGroup):
             logits = self.view.logits(self.view.hidden(tokens, cache=self.kv.layers)[last])
         else:
             logits = self.model(tokens, cache=self.kv.layers)[last]
-        for index, (row, p) in enumerate(zip(rows, pending)):
-            self.kv.advance(index, len(p))
-            self.fed[row.key] += len(p)
+        self._advance(rows, pending)
         return logits
+
+    def _advance(self, rows: list[ChainRow], fed: list[list[int]]) -> None:
+        """Each row's KV and count of fed tokens past the tokens just fed to it."""
+        for index, (row, tokens) in enumerate(zip(rows, fed)):
+            self.kv.advance(index, len(tokens))
+            self.fed[row.key] += len(tokens)
 
     def _logits_from_hidden(self) -> bool:
         """Whether the draft's logits are its final states' projection (no soft-capping after
