@@ -127,6 +127,21 @@ def test_a_request_behind_its_pace_holds_the_window_and_status_counts_it():
     assert policy.plan([drafting, PlanRow("none", 0, [], pace=Pace())]) == [1, 0]  # on pace: drafts
 
 
+def test_a_new_request_whose_first_window_was_rejected_does_not_hold_the_batch():
+    """Its one rejected window is luck until it drafted as many steps as the start weighs: through
+    serve, such a request (0.6 of a plain step behind) held 16 tiny-moe rows for ~36 steps."""
+    policy = Policy(probe_min_steps=64, probe_max_steps=4096)
+    for _ in range(4):
+        policy.observe_step([PlanRow("m", 0, [])] * 2, [0, 0], 0.010, [1, 1])
+    policy.costs.seed("m", 2, 2, 0.013)
+    new, drafting = Pace(), PlanRow("m", 1, [0.95])
+    policy.observe_step([drafting, PlanRow("m", 1, [0.95], pace=new)], [1, 1], 0.016, [2, 1])
+    assert new.behind is False and policy.plan([drafting, PlanRow("none", 0, [], pace=new)]) == [1, 0]
+    for _ in range(2):  # rejected again: its own evidence now says it loses
+        policy.observe_step([drafting, PlanRow("m", 1, [0.95], pace=new)], [1, 1], 0.016, [2, 1])
+    assert policy.plan([drafting, PlanRow("none", 0, [], pace=new)]) == [0, 0]
+
+
 def test_a_useless_proposer_is_measured_first_then_stops_drafting():
     """Nothing is off before it was measured: the first steps at a batch size draft (after one
     plain step that measures plain decoding), then a rejected draft stops."""

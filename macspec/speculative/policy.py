@@ -22,7 +22,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from .acceptance import expected_tokens
+from .acceptance import PRIOR_TRIALS, expected_tokens
 from .costs import StepCosts, bucket
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,8 @@ class Pace:
 
     plain_s: float = 0.0
     spent_s: float = 0.0
+    drafted: int = 0  # its steps that drafted
+    step_s: float = 0.0  # a plain step's seconds at its last step
 
     @property
     def speedup(self) -> float | None:
@@ -62,11 +64,17 @@ class Pace:
 
     @property
     def behind(self) -> bool:
-        return self.spent_s > (1.0 + GUARD_MARGIN) * self.plain_s
+        """Behind by the margin; while its own acceptance is still mostly the start's (fewer
+        drafting steps than the start weighs), one rejected window is luck: a plain step of slack.
+        Without it a new request held 16 rows for ~36 steps (tiny-moe through serve)."""
+        slack = self.step_s if self.drafted < PRIOR_TRIALS else 0.0
+        return self.spent_s > (1.0 + GUARD_MARGIN) * self.plain_s + slack
 
-    def observe(self, tokens: float, seconds: float, plain_s: float, speculative: bool) -> None:
+    def observe(self, tokens: float, seconds: float, plain_s: float, speculative: bool, drafted: bool) -> None:
         self.plain_s += tokens * plain_s
         self.spent_s += seconds if speculative else tokens * plain_s
+        self.drafted += drafted
+        self.step_s = plain_s
 
 
 @dataclass
@@ -197,9 +205,9 @@ class Policy:
         self.costs.observe(chain_of(rows, ks), len(rows), max(ks, default=0) + 1, seconds)
         plain_s = self.costs.seconds("", len(rows), 1)
         if self.costs.knows(""):  # else nothing to compare a request's steps with
-            for row, committed in zip(rows, tokens):
+            for row, k, committed in zip(rows, ks, tokens):
                 if row.pace is not None:
-                    row.pace.observe(committed, seconds, plain_s, speculative=any(ks))
+                    row.pace.observe(committed, seconds, plain_s, speculative=any(ks), drafted=k > 0)
         for method in {row.method for row, k in zip(rows, ks) if k and not row.fixed}:
             guard = self.guard(method, len(rows))
             for r in guard.units:
