@@ -270,10 +270,16 @@ def held_while_loading(proc: subprocess.Popen, model, timeout: float = 120.0) ->
     raise AssertionError("the server never started loading the model")
 
 
+def sigint_as_in_a_terminal() -> None:
+    """A child's SIGINT as a foreground job's: a suite run as a background job ignores SIGINT
+    (the shell's rule for `&`), and its children inherit that, so Python never takes Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_while_a_detached_server_starts_stops_it(isolated_home, stalling_model):
     parent = subprocess.Popen([sys.executable, "-P", "-m", "macspec", "serve", "--detach", "--port", "0",
                                "--model", str(stalling_model)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+                              stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_in_a_terminal)
     writer = held_while_loading(parent, stalling_model)
     try:
         [child] = psutil.Process(parent.pid).children()
@@ -294,7 +300,7 @@ def test_ctrl_c_while_a_detached_server_starts_stops_it(isolated_home, stalling_
 def test_ctrl_c_while_a_foreground_server_starts_exits_0(isolated_home, stalling_model):
     proc = subprocess.Popen([sys.executable, "-P", "-m", "macspec", "serve", "--port", "0",
                              "--model", str(stalling_model)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_in_a_terminal)
     writer = held_while_loading(proc, stalling_model)
     try:
         proc.send_signal(signal.SIGINT)
