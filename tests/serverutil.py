@@ -11,6 +11,8 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
+
 from macspec.config import load_profile
 from macspec.engine.engine import Engine
 from macspec.engine.service import EngineService
@@ -73,6 +75,17 @@ def records(home: Path) -> dict[int, dict]:
         record = json.loads(path.read_text())
         out[record["pid"]] = record
     return out
+
+
+def has_ended(proc: psutil.Process | int) -> bool:
+    """Whether a process (or pid) has exited: gone, or a zombie whose exit status waits for a
+    parent that may be slow to reap it (an orphan's is this machine's PID 1; a full suite here once
+    saw one still unreaped after 2 s)."""
+    try:
+        proc = proc if isinstance(proc, psutil.Process) else psutil.Process(proc)
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 class Foreground:

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import requests
 
-from .serverutil import Foreground, records
+from .serverutil import Foreground, has_ended, records
 
 pytestmark = pytest.mark.slow  # loads a model or starts a server/process
 
@@ -29,10 +29,7 @@ def macspec(*args, env=None, timeout=300, cwd=None):
 def wait_gone(pid: int, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while psutil.pid_exists(pid) and time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return
-        except psutil.NoSuchProcess:
+        if has_ended(pid):
             return
         time.sleep(0.05)
     assert not psutil.pid_exists(pid), f"pid {pid} still running"

@@ -17,6 +17,8 @@ import pytest
 
 from macspec.config import find_profile
 
+from .serverutil import has_ended
+
 pytestmark = pytest.mark.slow  # loads a model or starts a server/process
 
 JOIN_TIMEOUT_S = 8.0
@@ -76,19 +78,10 @@ class Rank0:
 
 
 def _assert_gone(procs: list[psutil.Process], timeout: float = 5.0) -> None:
-    alive = [p for p in psutil.wait_procs(procs, timeout=timeout)[1] if not _ended(p)]
+    alive = [p for p in psutil.wait_procs(procs, timeout=timeout)[1] if not has_ended(p)]
     for proc in alive:
         proc.kill()
     assert not alive, f"left running: {alive}"
-
-
-def _ended(proc: psutil.Process) -> bool:
-    """A zombie has ended: only its exit status waits for a parent that may be slow to reap it (an
-    orphan's is this machine's PID 1; a full suite here once saw one still unreaped after 2 s)."""
-    try:
-        return proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def test_worker_that_exits_at_startup_is_named_with_its_code(tmp_path):
