@@ -39,6 +39,7 @@ HEADS = {
     "echo": (0.95, 0.95, 0.95, 0.95),  # a request restating its context
 }
 WARMING = 40  # tokens over which a warming request's acceptance rises
+WARM_DRAFTS = 300  # a warm prior's drafted steps before a burst (METHOD_MEMORY's worth and more)
 
 
 @dataclass
@@ -164,19 +165,31 @@ BURST_TABLE = {1: [8.5, 11.5, 14.5, 17.5, 20.5], 2: [9.3, 12.0, 15.2, 18.4, 21.6
                3: [9.4, 14.0, 17.5, 21.0, 24.5], 4: [10.0, 15.8, 21.5, 27.2, 33.0]}
 
 
+# SmolLM2 with its MTP head through serve, the whole step in ms by batch size per window: three
+# rows 91.8 plain and 112.6 at a window of 2 (docs/benchmarks.md, "MTP at three rows on json
+# traced", 2026-11-28); the other cells scaled from the head's engine costs at one row.
+SMOLLM2_BURST_TABLE = {1: [73, 87, 95, 101, 108], 2: [82, 99, 109, 118, 127], 3: [92, 113, 125, 135, 145],
+                       4: [100, 124, 139, 151, 164]}
+
+
 def burst(heads: list[str], tokens: int, k: int | None, seed: int = 0, k_max: int = 4,
-          noise: float = 0.1, rounds: int = 2) -> float:
+          noise: float = 0.1, rounds: int = 2, table: dict | None = None, warm: tuple[float, ...] | None = None) -> float:
     """Closed bursts: one request per head, each decoding `tokens` tokens and leaving when done
     (none replaces it), `rounds` bursts in a row on one policy (a warm server). -> the last
     burst's tokens ÷ the time its last request finished, what a client burst measures: a request
-    that speculation slows is the burst's tail."""
+    that speculation slows is the burst's tail. `table`: whole-step ms by rows per window
+    (BURST_TABLE); `warm`: acceptance by position of drafts the method's prior saw first (another
+    workload on the same server)."""
     rng = random.Random(seed)
+    table = table or BURST_TABLE
     policy = Policy(probe_min_steps=64, probe_max_steps=4096)
-    for rows, windows in BURST_TABLE.items():
+    for rows, windows in table.items():
         policy.costs.seed("", rows, 1, windows[0] / 1e3)
         for window in range(2, k_max + 2):
             policy.costs.seed("sim", rows, window, windows[window - 1] / 1e3)
     prior, finished = Acceptance(memory=METHOD_MEMORY), []
+    for _ in range(WARM_DRAFTS if warm else 0):
+        _verify(rng, warm, 3, Acceptance(), prior)
     for _ in range(rounds):
         live = [{"head": HEADS[h], "left": tokens, "estimate": Acceptance(prior.measured(k_max)),
                  "pace": Pace()} for h in heads]
@@ -186,7 +199,7 @@ def burst(heads: list[str], tokens: int, k: int | None, seed: int = 0, k_max: in
             plan_rows = [PlanRow("sim", min(k_max, r["left"] - 1), r["estimate"].alphas(k_max),
                                  fixed=k is not None, pace=r["pace"]) for r in live]
             ks = [min(k, row.k_max) for row in plan_rows] if k is not None else policy.plan(plan_rows)
-            seconds = BURST_TABLE[len(live)][max(ks)] / 1e3 * (1.0 + rng.uniform(-noise, noise))
+            seconds = table[len(live)][max(ks)] / 1e3 * (1.0 + rng.uniform(-noise, noise))
             committed = [_verify(rng, r["head"], kk, r["estimate"], prior) for r, kk in zip(live, ks)]
             for r, n in zip(live, committed):
                 r["left"] -= n
@@ -200,8 +213,8 @@ def burst(heads: list[str], tokens: int, k: int | None, seed: int = 0, k_max: in
     return len(heads) * tokens / spent
 
 
-def compare_burst(heads: list[str], tokens: int = 64, seeds: int = 4) -> dict:
-    return {name: sum(burst(heads, tokens, k, seed=s) for s in range(seeds)) / seeds
+def compare_burst(heads: list[str], tokens: int = 64, seeds: int = 4, **kw) -> dict:
+    return {name: sum(burst(heads, tokens, k, seed=s, **kw) for s in range(seeds)) / seeds
             for name, k in CONFIGS}
 
 

@@ -7,6 +7,8 @@ then commits E(k) = 1 + a_1 + a_1·a_2 + ... tokens on average.
 
 from __future__ import annotations
 
+import math
+
 ALPHA_PRIOR = 0.7  # a position nothing has measured: optimistic, so that drafting is tried
 PRIOR_TRIALS = 3.0  # the least a start weighs, in observations: the first real ones move it at once
 REQUEST_MEMORY = 16.0  # steps a request's estimate averages over (a stretch, not a word)
@@ -40,7 +42,8 @@ class Acceptance:
     (start / a* - 1) / memory of its steps. At the full rate a tiny-wide prompt (start 0.75,
     a* 0.15) decoded 12 % slower than plain through serve; at half, 7 % simulated, and through
     serve that prompt took 0.98x plain's time. What the start weighs (`weight`) is measured across
-    requests: see share_weight()."""
+    requests: see share_weight(); a request its own drafts show unlike its start weighs it least
+    (start_weight())."""
 
     def __init__(self, starts: list[float] | None = None, memory: float = REQUEST_MEMORY):
         starts = list(starts) if starts else [ALPHA_PRIOR]
@@ -51,6 +54,8 @@ class Acceptance:
         self.weight = PRIOR_TRIALS  # the start's pseudo-trials (a deeper position's weigh PRIOR_TRIALS)
         self.hits: list[float] = []
         self.trials: list[float] = []
+        self.drafted = 0  # its steps that drafted, over its life (not decayed): whether its start fits it
+        self.first_hits = 0  # of those, the ones whose first draft was accepted
 
     def alphas(self, depth: int) -> list[float]:
         out: list[float] = []
@@ -60,9 +65,25 @@ class Acceptance:
                 ratio = self.ratios[i - 1] if i <= len(self.ratios) else 1.0
                 pseudo, weight = min(1.0, out[-1] * ratio), PRIOR_TRIALS
             else:
-                pseudo, weight = self.start, self.weight
+                pseudo, weight = self.start, self.start_weight()
             out.append((hits + pseudo * weight) / (trials + weight))
         return out
+
+    def start_weight(self) -> float:
+        """`weight`, or PRIOR_TRIALS where its own first drafts over its life make the start
+        unlikely: a chance under 1 in METHOD_MEMORY (the Chernoff bound exp(-n KL(own || start))).
+        Decayed, its evidence weighs at most REQUEST_MEMORY, so a start of that weight held a
+        request whose drafts never landed at ~0.2 among ones accepting 0.3, near break-even:
+        it drafted a quarter of its steps and held the others' windows (a burst of three on
+        SmolLM2's step costs: 0.960x plain, 0.977x with this; simulated)."""
+        if not self.drafted or self.weight <= PRIOR_TRIALS:
+            return self.weight
+        own = self.first_hits / self.drafted
+        if self.start in (0.0, 1.0):
+            unlike = own != self.start
+        else:
+            unlike = self.drafted * _divergence(own, self.start) > math.log(METHOD_MEMORY)
+        return PRIOR_TRIALS if unlike else self.weight
 
     def measured(self, depth: int) -> list[float]:
         """Its estimates up to `depth`, through the last position measured PRIOR_TRIALS times (the
@@ -76,6 +97,9 @@ class Acceptance:
         while len(self.trials) < drafted:
             self.hits.append(0.0)
             self.trials.append(0.0)
+        if drafted:
+            self.drafted += 1
+            self.first_hits += accepted > 0
         decay = self.decay if drafted else self.idle_decay
         for i in range(len(self.trials)):
             self.hits[i] *= decay
@@ -83,6 +107,11 @@ class Acceptance:
         for i in range(min(accepted + 1, drafted)):
             self.hits[i] += 1.0 if i < accepted else 0.0
             self.trials[i] += 1.0
+
+
+def _divergence(own: float, start: float) -> float:
+    """KL(own || start) of two acceptance rates, start strictly between 0 and 1."""
+    return sum(a * math.log(a / b) for a, b in ((own, start), (1.0 - own, 1.0 - start)) if a > 0)
 
 
 def observe_step(estimates: dict[str, Acceptance], kind: str | None, drafted: int, accepted: int) -> None:
