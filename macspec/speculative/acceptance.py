@@ -70,20 +70,19 @@ class Acceptance:
         return out
 
     def start_weight(self) -> float:
-        """`weight`, or PRIOR_TRIALS where its own first drafts over its life accept less than
-        the start, by a margin a chance under 1 in METHOD_MEMORY would give (the Chernoff bound
-        exp(-n KL(own || start))). Decayed, its evidence weighs at most REQUEST_MEMORY, so a start
-        of that weight held a request whose drafts never landed at ~0.2 among ones accepting 0.3,
-        near break-even: it drafted a quarter of its steps and held the others' windows (a burst
-        of three on SmolLM2's step costs: 0.960x plain, 0.977x with this; simulated). Only
-        downward: a request above its start drafts a little less deep than it could, which
-        costs no one time."""
+        """`weight`, or PRIOR_TRIALS where its own first drafts over its life make the start
+        unlikely: a chance under 1 in METHOD_MEMORY (the Chernoff bound exp(-n KL(own || start))).
+        Decayed, its evidence weighs at most REQUEST_MEMORY, so a start of that weight held a
+        request whose drafts never landed at ~0.2 among ones accepting 0.3, near break-even:
+        it drafted a quarter of its steps and held the others' windows (a burst of three on
+        SmolLM2's step costs: 0.960x plain, 0.977x with this; simulated)."""
         if not self.drafted or self.weight <= PRIOR_TRIALS:
             return self.weight
         own = self.first_hits / self.drafted
-        if own >= self.start:
-            return self.weight
-        unlike = self.start == 1.0 or self.drafted * _divergence(own, self.start) > math.log(METHOD_MEMORY)
+        if self.start in (0.0, 1.0):
+            unlike = own != self.start
+        else:
+            unlike = self.drafted * _divergence(own, self.start) > math.log(METHOD_MEMORY)
         return PRIOR_TRIALS if unlike else self.weight
 
     def measured(self, depth: int) -> list[float]:
@@ -111,7 +110,7 @@ class Acceptance:
 
 
 def _divergence(own: float, start: float) -> float:
-    """KL(own || start) of two acceptance rates, own < start < 1."""
+    """KL(own || start) of two acceptance rates, start strictly between 0 and 1."""
     return sum(a * math.log(a / b) for a, b in ((own, start), (1.0 - own, 1.0 - start)) if a > 0)
 
 
