@@ -167,13 +167,15 @@ BURST_TABLE = {1: [8.5, 11.5, 14.5, 17.5, 20.5], 2: [9.3, 12.0, 15.2, 18.4, 21.6
 
 # SmolLM2 with its MTP head through serve, the whole step in ms by batch size per window: three
 # rows 91.8 plain and 112.6 at a window of 2 (docs/benchmarks.md, "MTP at three rows on json
-# traced", 2026-11-28); the other cells scaled from the head's engine costs at one row.
-SMOLLM2_BURST_TABLE = {1: [73, 87, 95, 101, 108], 2: [82, 99, 109, 118, 127], 3: [92, 113, 125, 135, 145],
-                       4: [100, 124, 139, 151, 164]}
+# traced", 2026-11-28); the other rows set in proportion (a window of 2 at 1.19-1.24x a plain
+# step, as the head measured through the engine and serve).
+SMOLLM2_BURST_TABLE = {1: [73, 87, 95, 101, 108], 2: [82, 99, 109, 118, 127],
+                       3: [92, 113, 125, 135, 145], 4: [100, 124, 139, 151, 164]}
 
 
 def burst(heads: list[str], tokens: int, k: int | None, seed: int = 0, k_max: int = 4,
-          noise: float = 0.1, rounds: int = 2, table: dict | None = None, warm: tuple[float, ...] | None = None) -> float:
+          noise: float = 0.1, rounds: int = 2, table: dict | None = None,
+          warm: tuple[float, ...] | None = None) -> float:
     """Closed bursts: one request per head, each decoding `tokens` tokens and leaving when done
     (none replaces it), `rounds` bursts in a row on one policy (a warm server). -> the last
     burst's tokens ÷ the time its last request finished, what a client burst measures: a request
