@@ -21,7 +21,8 @@ profile does (adaptive, k <= 1), ngram up to 4, suffix and mtp+suffix up to suff
 
     python benchmarks/agents.py [--methods none,ngram,suffix,mtp,mtp+suffix] [--concurrency 1,4]
         [--temperatures 0,0.7] [--workloads edit,tools,json,json-schema,chat] [--max-tokens 128]
-        [--repeats 1]   (> 1: fresh servers per repeat, methods alternating; median tok/s)
+        [--repeats 1]   (> 1: fresh servers per repeat, methods alternating; median tok/s, and
+                         ÷ none ± the standard error of the per-repeat ratios)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import asyncio
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -186,6 +188,12 @@ def merged(runs: list[dict]) -> dict:
     return {**median, "answers": runs[0]["answers"] if same else None}
 
 
+def spread(ratios: list[float]) -> str:
+    """" ±" the standard error of a method's per-repeat ratios to none's (each repeat runs both,
+    one after the other): this machine's noise between runs, beside the ratio it qualifies."""
+    return f" ±{statistics.stdev(ratios) / len(ratios) ** 0.5:.3f}"
+
+
 # Workloads that share no text share a server (edit and tools copy the same functions, the two
 # json workloads the same documents: one would draft from the other's answers).
 SERVER_GROUPS = (("chat", "edit", "json"), ("tools", "json-schema"))
@@ -233,6 +241,8 @@ def main(argv=None) -> None:
                 for m in methods:
                     r = rows[m][name]
                     ratio = f"{r['tok_s'] / base['tok_s']:.3f}" if base else "-"  # 3 decimals: a cell at the 0.97 bar reads 0.97 at 2
+                    if base and args.repeats > 1:
+                        ratio += spread([a[name]["tok_s"] / b[name]["tok_s"] for a, b in zip(runs[m], runs["none"])])
                     same = "-" if not base or temperature else \
                         ("yes" if r["answers"] is not None and r["answers"] == base["answers"] else "no")
                     table.append({"workload": name, "temperature": temperature, "concurrency": c, "method": m,

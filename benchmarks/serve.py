@@ -188,6 +188,17 @@ def mean_row(rows: list[dict]) -> dict:
     return row
 
 
+def paired_ratio(row: dict, base: dict) -> str:
+    """Its tok/s over spec off's, three decimals; with repeats, ± the standard error of the
+    per-repeat ratios (each repeat runs the two side by side, so a change of load over the run
+    is paired away; this machine's ±3 % between runs is not a loss)."""
+    ratio = f"{row['tok_per_s'] / base['tok_per_s']:.3f}x"
+    pairs = [a / b for a, b in zip(row["tok_per_s_all"], base["tok_per_s_all"])]
+    if len(pairs) < 2:
+        return ratio
+    return f"{ratio} ±{statistics.stdev(pairs) / len(pairs) ** 0.5:.3f}"
+
+
 def Server(name: str, argv: list[str], port: int, log: Path, threads: int | None) -> LaunchedServer:
     """A server process with its own MACSPEC_HOME next to its log; `threads` pins OpenBLAS's
     threads for both servers alike (else macspec's follow the machine's load, the peer's do not)."""
@@ -328,8 +339,7 @@ def main() -> None:
         print(f"| {name} | " + " | ".join(cells) + " |")
     base = table["macspec spec off"]
     for name in ["macspec spec on", *(n for n, _ in more)]:
-        print(f"| {name} / off | " + " | ".join(f"{table[name][c]['tok_per_s'] / base[c]['tok_per_s']:.2f}x"
-                                               for c in levels) + " |")
+        print(f"| {name} / off | " + " | ".join(paired_ratio(table[name][c], base[c]) for c in levels) + " |")
     if "mlx_lm.server" in table:
         for name in [n for n in ("mlx_lm.server", "mlx_lm.server draft") if n in table]:
             print(f"| macspec on / {name} | " + " | ".join(
