@@ -241,7 +241,7 @@ def main(argv=None) -> None:
                 for m in methods:
                     r = rows[m][name]
                     ratio = f"{r['tok_s'] / base['tok_s']:.3f}" if base else "-"  # 3 decimals: a cell at the 0.97 bar reads 0.97 at 2
-                    if base and args.repeats > 1:
+                    if base and args.repeats > 1 and m != "none":
                         ratio += spread([a[name]["tok_s"] / b[name]["tok_s"] for a, b in zip(runs[m], runs["none"])])
                     same = "-" if not base or temperature else \
                         ("yes" if r["answers"] is not None and r["answers"] == base["answers"] else "no")
