@@ -32,7 +32,6 @@ import asyncio
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -43,6 +42,7 @@ import aiohttp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from macspec.servebench.launch import LaunchedServer  # noqa: E402
+from macspec.servebench.report import spread  # noqa: E402
 
 FUNCTIONS = [
     '''def mean(values):
@@ -188,12 +188,6 @@ def merged(runs: list[dict]) -> dict:
     return {**median, "answers": runs[0]["answers"] if same else None}
 
 
-def spread(ratios: list[float]) -> str:
-    """" ±" the standard error of a method's per-repeat ratios to none's (each repeat runs both,
-    one after the other): this machine's noise between runs, beside the ratio it qualifies."""
-    return f" ±{statistics.stdev(ratios) / len(ratios) ** 0.5:.3f}"
-
-
 # Workloads that share no text share a server (edit and tools copy the same functions, the two
 # json workloads the same documents: one would draft from the other's answers).
 SERVER_GROUPS = (("chat", "edit", "json"), ("tools", "json-schema"))
@@ -241,7 +235,7 @@ def main(argv=None) -> None:
                 for m in methods:
                     r = rows[m][name]
                     ratio = f"{r['tok_s'] / base['tok_s']:.3f}" if base else "-"  # 3 decimals: a cell at the 0.97 bar reads 0.97 at 2
-                    if base and args.repeats > 1 and m != "none":
+                    if base and m != "none":
                         ratio += spread([a[name]["tok_s"] / b[name]["tok_s"] for a, b in zip(runs[m], runs["none"])])
                     same = "-" if not base or temperature else \
                         ("yes" if r["answers"] is not None and r["answers"] == base["answers"] else "no")

@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from macspec.servebench.launch import LaunchedServer, float32_copy, free_port  # noqa: E402
 from macspec.servebench.prompts import CODE  # noqa: E402
+from macspec.servebench.report import spread  # noqa: E402
 
 
 def prompts(count: int) -> list[str]:
@@ -189,14 +190,10 @@ def mean_row(rows: list[dict]) -> dict:
 
 
 def paired_ratio(row: dict, base: dict) -> str:
-    """Its tok/s over spec off's, three decimals; with repeats, ± the standard error of the
-    per-repeat ratios (each repeat runs the two side by side, so a change of load over the run
-    is paired away; this machine's ±3 % between runs is not a loss)."""
-    ratio = f"{row['tok_per_s'] / base['tok_per_s']:.3f}x"
+    """Its tok/s over spec off's, three decimals, ± the standard error of the per-repeat ratios
+    (each repeat runs the two side by side, so a change of load over the run is paired away)."""
     pairs = [a / b for a, b in zip(row["tok_per_s_all"], base["tok_per_s_all"])]
-    if len(pairs) < 2:
-        return ratio
-    return f"{ratio} ±{statistics.stdev(pairs) / len(pairs) ** 0.5:.3f}"
+    return f"{row['tok_per_s'] / base['tok_per_s']:.3f}x" + spread(pairs)
 
 
 def Server(name: str, argv: list[str], port: int, log: Path, threads: int | None) -> LaunchedServer:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 SCHEMA = "macspec.bench/1"
@@ -28,6 +29,14 @@ def comparisons(runs: list[dict]) -> list[dict]:
 
 def _ratio(a, b):
     return round(a / b, 3) if a and b else None
+
+
+def spread(ratios: list[float]) -> str:
+    """" ±" the standard error of per-repeat ratios, each repeat having run both configs side by
+    side ("" for fewer than two): the noise between runs, beside the ratio it qualifies."""
+    if len(ratios) < 2:
+        return ""
+    return f" ±{statistics.stdev(ratios) / len(ratios) ** 0.5:.3f}"
 
 
 def build(config: dict, runs: list[dict], errors: list[str], log_excerpt: str | None) -> dict:
