@@ -39,6 +39,7 @@ HEADS = {
     "echo": (0.95, 0.95, 0.95, 0.95),  # a request restating its context
 }
 WARMING = 40  # tokens over which a warming request's acceptance rises
+LOAD_PERIOD, LOADED = 80, 30  # a neighbour's bursts: steps apart, steps long
 WARM_DRAFTS = 300  # a warm prior's drafted steps before a burst (METHOD_MEMORY's worth and more)
 
 
@@ -88,14 +89,15 @@ def seeded_policy(table: str, size: int, rows: int, k_max: int, bias: float = 1.
 
 def run(table: str, rows: int, stream: Stream, k: int | None, steps: int = 400, seed: int = 0,
         k_max: int = 4, noise: float = 0.1, calibration_bias: float = 1.3,
-        tokens: int | None = None, spread: float = 0.0) -> float:
+        tokens: int | None = None, spread: float = 0.0, load: float = 1.0) -> float:
     """Tokens per simulated second for `rows` rows decoding `steps` steps: k None = the policy,
     else a fixed k for every row. Each step's time is the table's, times up to ±`noise`; the
     policy's table starts from a calibration that read every cell `calibration_bias` too high
     (measured under load). `tokens`: each row's request ends after that many, and a new one takes
     its row, starting from the prior (None: one request a row). `spread`: each request's
     first-position acceptance differs from the stream's by a normal draw of this deviation (prompts
-    that suit the proposer more or less)."""
+    that suit the proposer more or less). `load`: the last LOADED of every LOAD_PERIOD steps run
+    this much slower, every step alike (a neighbour process)."""
     size = min(TABLES[table][0], key=lambda b: abs(b - rows))
     rng = random.Random(seed)
     policy = seeded_policy(table, size, rows, k_max, calibration_bias)
@@ -114,6 +116,7 @@ def run(table: str, rows: int, stream: Stream, k: int | None, steps: int = 400, 
             ks = policy.plan(plan_rows)
         window = max(ks) + 1
         seconds = step_seconds(table, size, window) * (1.0 + rng.uniform(-noise, noise))
+        seconds *= load if step % LOAD_PERIOD >= LOAD_PERIOD - LOADED else 1.0
         committed = [_verify(rng, _shifted(stream.alphas(rng, step, steps, states[i]), states[i]), ks[i],
                              estimates[i], prior) for i in range(rows)]
         if k is None:

@@ -265,6 +265,29 @@ def test_the_step_cost_table_reads_unmeasured_cells_off_its_neighbours():
     assert costs.seconds("", 1, 1) == pytest.approx(0.015)
 
 
+def test_a_load_that_slows_plain_steps_slows_the_windows_not_measured_meanwhile():
+    """A neighbour slows every step while the plan decodes plainly: the windows it did not run
+    meanwhile read slower too. Before, the plain step alone moved, so a stale window of 2 read
+    1.13x a plain step where it cost 1.4x, and EAGLE-3 drafted at 0.3 acceptance on a loaded
+    machine (SmolLM2, tools at four clients through serve, traced)."""
+    costs = StepCosts()
+    for _ in range(16):
+        costs.observe("", 3, 1, 0.062)
+        costs.observe("m", 3, 2, 0.087)
+    for _ in range(16):
+        costs.observe("", 3, 1, 0.062 * 1.3)
+    assert costs.seconds("", 3, 1) == pytest.approx(0.062 * 1.3, rel=0.02)
+    assert costs.seconds("m", 3, 2) / costs.seconds("", 3, 1) == pytest.approx(0.087 / 0.062, rel=0.05)
+
+
+@pytest.mark.parametrize("table,rows,head,shape", [("tiny-wide", 1, "good", "stretches"), ("tiny-moe", 4, "weak", "steady")])
+def test_never_slower_and_near_the_best_fixed_k_while_a_neighbour_loads_the_machine(table, rows, head, shape):
+    """30 of every 80 steps run 1.35x slower, every step alike: a cell measured before or during
+    a burst is not read as a gain or a loss of the window it holds (0.946x the best fixed k
+    before, the good head on tiny-wide's costs)."""
+    assert_policy_holds(table, rows, Stream(head, shape), load=1.35)
+
+
 def test_a_bad_stretch_does_not_cap_deeper_positions_for_ever():
     """Evidence ages with the request's steps: after rejections at k = 1 and recovery, the
     deeper positions follow position 1 back up (a kept cap held SmolLM2's EAGLE-3 rows at k = 1,

@@ -19,6 +19,12 @@ window's cost need not grow linearly, and tiny-wide's 4 rows cost less at W = 4 
 read linearly from the seeds at 2 and 5, W = 4 was priced 17 % high and adaptive trailed k = 3
 by 5.5 % there, simulated), then linear in rows. A chain never timed costs what the forward
 alone does (so it gets tried).
+
+Cells are kept apart from the machine's load: how much slower than its cell each step ran,
+followed over LOAD_MEMORY steps and shared by every cell. A cell is read at today's load, so one
+not run while a neighbour slowed the machine reads slower too: before, only the cells a loaded
+step met moved, and a window of 2 measured earlier read 1.13x a plain step where it cost 1.4x
+(EAGLE-3 then drafted at 0.3 acceptance; SmolLM2, tools at four clients through serve, traced).
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-COST_MEMORY = 16.0  # steps a cell averages over: a step's noise (±15 % here) averages out, a
-# change of load is followed within ~16 steps
+COST_MEMORY = 16.0  # steps a cell averages over: a step's noise (±15 % here) averages out
+LOAD_MEMORY = 4.0  # steps the machine's load is followed over: a neighbour's burst lasts seconds
 
 
 def bucket(rows: int) -> int:
@@ -47,6 +53,7 @@ class StepCosts:
     def __init__(self):
         self.cells: dict[tuple[str, int, int], Cell] = {}
         self.clock = 0  # steps observed
+        self.load = 1.0  # how much slower than its cells every step runs now
 
     def observe(self, chain: str, rows: int, window: int, seconds: float) -> None:
         if not math.isfinite(seconds) or seconds <= 0:
@@ -55,11 +62,12 @@ class StepCosts:
         cell = self.cells.get((chain, rows, window))
         if cell is None or not cell.steps:
             if cell is not None:  # a seed's first real step: the other seeds at its row count
-                self._rescale_seeds(rows, seconds / cell.seconds)  # lacked the same host work
-            self.cells[(chain, rows, window)] = Cell(seconds, 1.0, self.clock)
+                self._rescale_seeds(rows, seconds / self.load / cell.seconds)  # lacked the same host work
+            self.cells[(chain, rows, window)] = Cell(seconds / self.load, 1.0, self.clock)
             return
+        self.load *= (seconds / (cell.seconds * self.load)) ** (1.0 / LOAD_MEMORY)
         cell.steps = min(cell.steps + 1.0, COST_MEMORY)
-        cell.seconds += (seconds - cell.seconds) / cell.steps
+        cell.seconds += (seconds / self.load - cell.seconds) / cell.steps
         cell.last = self.clock
 
     def seed(self, chain: str, rows: int, window: int, seconds: float) -> None:
@@ -83,6 +91,10 @@ class StepCosts:
         return self.clock - max(lasts) if lasts else None
 
     def seconds(self, chain: str, rows: int, window: int) -> float:
+        return self.base(chain, rows, window) * self.load
+
+    def base(self, chain: str, rows: int, window: int) -> float:
+        """What the step costs at the load its cells are kept at (seconds() ÷ load)."""
         cell = self.cells.get((chain, rows, window))
         if cell is not None:
             return cell.seconds
@@ -95,14 +107,19 @@ class StepCosts:
             return _interpolate(at_window, rows)
         value = _interpolate({r: _at_or_below(ws, window) for r, ws in by_rows.items()}, rows)
         if value is None:
-            return self.seconds("", rows, window) if chain else 1.0  # nothing measured: all alike
+            return self.base("", rows, window) if chain else 1.0  # nothing measured: all alike
         return value
+
+    def now(self) -> dict[tuple[str, int, int], float]:
+        """Every cell's seconds at today's load (what /v1/status shows and a later run keeps)."""
+        return {key: cell.seconds * self.load for key, cell in sorted(self.cells.items())}
 
     def as_dict(self) -> dict:
         out: dict = {}
-        for (chain, rows, window), cell in sorted(self.cells.items()):
+        for (chain, rows, window), seconds in self.now().items():
+            seed = "" if self.cells[chain, rows, window].steps else " (seed)"
             out.setdefault(chain or "none", {}).setdefault(str(rows), {})[str(window)] = \
-                round(cell.seconds * 1e3, 3) if cell.steps else f"{cell.seconds * 1e3:.3f} (seed)"
+                f"{seconds * 1e3:.3f}{seed}" if seed else round(seconds * 1e3, 3)
         return out
 
 

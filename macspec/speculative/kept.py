@@ -62,8 +62,8 @@ def load_costs(path: Path, key: str) -> dict[tuple[str, int, int], float] | None
 def save_costs(path: Path, key: str, costs: StepCosts) -> None:
     """Merge this table into `path`, keeping the KEYS_KEPT most recently saved keys."""
     def merged(stored: dict) -> dict:
-        stored[key] = {"saved": time.time(), "cells": [[c, b, w, round(cell.seconds, 7)]
-                                                       for (c, b, w), cell in sorted(costs.cells.items())]}
+        stored[key] = {"saved": time.time(), "cells": [[c, b, w, round(seconds, 7)]
+                                                       for (c, b, w), seconds in costs.now().items()]}
         saved = lambda k: stored[k].get("saved", 0) if isinstance(stored[k], dict) else 0  # noqa: E731
         return {k: stored[k] for k in sorted(stored, key=saved, reverse=True)[:KEYS_KEPT]}
 

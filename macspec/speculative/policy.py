@@ -22,7 +22,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from .acceptance import PRIOR_TRIALS, expected_tokens
+from .acceptance import PRIOR_TRIALS, REQUEST_MEMORY, expected_tokens
 from .costs import StepCosts, bucket
 
 logger = logging.getLogger(__name__)
@@ -32,8 +32,6 @@ GUARD_MEMORY = 64  # steps a guard's comparison spans (a stretch of hard text is
 # how often plain decoding is re-measured while speculating (today's load, not the calibration's)
 DECAY = 1.0 - 1.0 / GUARD_MEMORY
 EXPLORE_STEPS = 32  # the plan's runner-up once in this many steps (costs at most ~1/32 of a gap)
-VERDICT_STEPS = 16  # steps measured since a probe before the guard may turn a method off: a
-# 4-step verdict turned a head off in its hard stretches where it paid 1.2x overall (simulated)
 
 
 @dataclass
@@ -80,7 +78,8 @@ class Pace:
 @dataclass
 class Guard:
     """One method at one batch bucket: its drafting steps (decayed), as the tokens they committed
-    per row at each row count and the seconds they took, priced against plain decoding when read."""
+    per row at each row count and the seconds they took at the table's load (costs.py), priced
+    against plain decoding when read."""
 
     interval: int = 0  # steps before the next probe while off, capped, or left idle by the plan
     probe_left: int = PROBE_STEPS
@@ -218,15 +217,16 @@ class Policy:
             guard.firsts[len(rows)] = guard.firsts.get(len(rows), 0.0) + sum(min(t, 2) for t in tokens) / len(rows)
             guard.squares = guard.squares * DECAY + per_row ** 2
             guard.weight = guard.weight * DECAY + 1.0
-            guard.spent_s = guard.spent_s * DECAY + seconds
-            guard.first_s = guard.first_s * DECAY + self.costs.seconds(chain_of(rows, ks), len(rows), 2)
+            guard.spent_s = guard.spent_s * DECAY + seconds / self.costs.load
+            guard.first_s = guard.first_s * DECAY + self.costs.base(chain_of(rows, ks), len(rows), 2)
             guard.steps += 1
             was, verdict = guard.k_max, None
             if guard.probe_left:
                 guard.probe_left -= 1
                 if not guard.probe_left:
                     verdict = self._judge(guard, ended_probe=True)
-            elif guard.steps >= VERDICT_STEPS:
+            elif guard.steps >= REQUEST_MEMORY:  # a stretch, not a word: a 4-step verdict turned a
+                # head off in its hard stretches where it paid 1.2x overall (simulated)
                 verdict = self._judge(guard, ended_probe=False)
             if guard.k_max != was:
                 logger.info("%s %s at batch %d: measured %.2fx plain%s", method,
@@ -234,13 +234,13 @@ class Policy:
                             verdict or 0.0, "" if guard.k_max == math.inf else f"; probed within {guard.interval} steps")
 
     def speedup(self, guard: Guard, first: bool = False) -> float | None:
-        """Its steps' tokens at what a plain step costs now at each one's row count, over the
-        seconds they took (None: plain decoding never measured). `first`: what their first drafts
-        alone would have committed, over what windows of 2 cost in the table."""
+        """Its steps' tokens at what a plain step costs at each one's row count, over the seconds
+        they took, both at the table's load (None: plain decoding never measured). `first`: what
+        their first drafts alone would have committed, over what windows of 2 cost in the table."""
         units, spent_s = (guard.firsts, guard.first_s) if first else (guard.units, guard.spent_s)
         if not spent_s or not self.costs.knows(""):
             return None
-        return sum(n * self.costs.seconds("", rows, 1) for rows, n in units.items()) / spent_s
+        return sum(n * self.costs.base("", rows, 1) for rows, n in units.items()) / spent_s
 
     def _judge(self, guard: Guard, ended_probe: bool) -> float | None:
         """A probe backs off (losing) or resets the interval and lifts a method's cap; only the
