@@ -23,8 +23,9 @@ alone does (so it gets tried).
 Cells are kept apart from the machine's load: how much slower than its cell each step ran,
 followed over LOAD_MEMORY steps and shared by every cell. A cell is read at today's load, so one
 not run while a neighbour slowed the machine reads slower too: before, only the cells a loaded
-step met moved, and a window of 2 measured earlier read 1.13x a plain step where it cost 1.4x
-(EAGLE-3 then drafted at 0.3 acceptance; SmolLM2, tools at four clients through serve, traced).
+step met moved, and a window of 2 measured earlier read 1.30-1.37x a plain step where it cost
+1.4x (EAGLE-3 then drafted at 0.30-0.38 acceptance; SmolLM2, tools at four clients through
+serve, traced).
 """
 
 from __future__ import annotations
