@@ -118,9 +118,8 @@ class StepCosts:
     def as_dict(self) -> dict:
         out: dict = {}
         for (chain, rows, window), seconds in self.now().items():
-            seed = "" if self.cells[chain, rows, window].steps else " (seed)"
             out.setdefault(chain or "none", {}).setdefault(str(rows), {})[str(window)] = \
-                f"{seconds * 1e3:.3f}{seed}" if seed else round(seconds * 1e3, 3)
+                round(seconds * 1e3, 3) if self.cells[chain, rows, window].steps else f"{seconds * 1e3:.3f} (seed)"
         return out
 
 
