@@ -108,6 +108,16 @@ def test_failing_prefill_fails_only_that_request(server):
 
 
 @pytest.mark.slow
+def test_failing_admission_fails_the_request_instead_of_losing_it(server):
+    """A request taken from the queue when its prefix lookup fails gets the error at once (it
+    waited, lost, until the server stopped: ten minutes in a test) and the next is served."""
+    faults.arm("admit", RuntimeError("injected admission failure"), times=1)
+    reply = _complete(server, "class Stack:\n")
+    assert reply.status_code >= 500 and "injected admission failure" in reply.text
+    assert _complete(server, "class Stack:\n").status_code == 200
+
+
+@pytest.mark.slow
 def test_bad_seed_reaching_the_engine_fails_that_request_at_once():
     """A request the engine cannot start (here: a seed mx.random.key refuses) gets its Failed
     event at once, through the service as through the engine itself; both keep serving."""

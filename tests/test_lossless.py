@@ -214,14 +214,21 @@ def test_mtp_rows_keep_their_prefix_states_when_other_rows_extend_the_entry(runt
     assert third.tokens == engine.generate([turn3], PLAIN, 16, method="none")[0].tokens
 
 
-def test_an_mtp_row_gives_its_states_to_the_same_prompt_stored_without_them(runtime_for, prompts):
-    """A plain row stored a prompt's KV first; an MTP row with that prompt adds its states to
-    the entry, so the next MTP row with it starts from the cache."""
+def test_an_mtp_row_reuses_the_prompt_a_plain_row_stored(runtime_for, prompts):
+    """With a head loaded, a row without one keeps its prompt's states for the entry it stores:
+    an MTP row sent after it starts from the cache (it prefilled the whole prompt again, so a
+    plain warm-up cost every head's row the shared chat-template prefix), and one continuing the
+    plain row's conversation reuses its prompt (a plain row keeps no states for its answer)."""
     runtime = runtime_for("mtp")
     engine = Engine(runtime, max_batch=4)
     outputs = [engine.generate([prompts[3]], PLAIN, 1, method=m)[0] for m in ("none", "mtp", "mtp")]
-    assert [c.stats["cached_prompt_tokens"] for c in outputs] == [0, 0, len(prompts[3]) - 1]
+    assert [c.stats["cached_prompt_tokens"] for c in outputs] == [0] + [len(prompts[3]) - 1] * 2
     assert len({tuple(c.tokens) for c in outputs}) == 1
+    first = engine.generate([prompts[6]], PLAIN, 8, method="none")[0]
+    turn = prompts[6] + first.tokens + prompts[7][:8]
+    continued = engine.generate([turn], PLAIN, 8, method="mtp")[0]
+    assert continued.stats["cached_prompt_tokens"] == len(prompts[6]), continued.stats
+    assert continued.tokens == engine.generate([turn], PLAIN, 8, method="none")[0].tokens
 
 
 def test_prefix_states_kept_before_a_head_tapped_more_layers_are_replaced(prompts):

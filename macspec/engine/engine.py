@@ -138,7 +138,7 @@ class Engine(BlockingAPI):
     def _prefill(self, seq: Sequence, chunk: list[int]) -> None:
         faults.check("prefill")
         hidden, logits = self.runner.prefill(seq.request.id, chunk)
-        if seq.spec.group is not None and seq.spec.group.needs_hidden:
+        if seq.keeps_states:
             seq.hidden_chunks.append(hidden)
         seq.prefill_done += len(chunk)
         self.stats.count("prompt_tokens", len(chunk))

@@ -46,6 +46,12 @@ class Runtime:
         """The target's logits width (a padded embedding may exceed the tokenizer's)."""
         return int(self.view.inner.embed_tokens.weight.shape[0])
 
+    @property
+    def reads_states(self) -> bool:
+        """A loaded head reads the target's states (MTP, EAGLE-3, DFlash): every row then keeps
+        its prompt's, so a prefix any row stores serves the head's rows too."""
+        return any(head is not None for head in (self.mtp_head, self.eagle3_head, self.dflash_drafter))
+
     def make_group(self, method: str, vocab_size: int) -> ProposerGroup:
         """A fresh proposer for every row of `method` (the engine holds one per method)."""
         return proposers.implementation(method).make_group(self, method, vocab_size)

@@ -13,6 +13,7 @@ from collections import deque
 
 import mlx.core as mx
 
+from .. import faults
 from ..errors import RequestError
 from ..kv.prefix import PrefixCache
 from ..models.view import join_states
@@ -58,15 +59,19 @@ class Scheduler:
             seq = self.waiting.popleft()
             self.memory.reserved += seq.kv_need  # held until the sequence leaves (_release)
             seq.kv_held = seq.kv_need
+            self.prefilling.append(seq)  # first: a failed lookup fails it with the step, not lost
+            faults.check("admit")
             self._seat(seq, *self._lookup(seq))
-            self.prefilling.append(seq)
 
     def _seat(self, seq: Sequence, reused: int, entry: int | None) -> None:
         """Open `seq`'s slot on the first `reused` positions of `entry` (None: from scratch)."""
         self.runner.open_slot(seq.request.id, NO_ENTRY if entry is None else entry, reused)
         seq.prefill_done = seq.reused_prefix = reused
-        # a head reading the target's states (MTP) starts from the entry's
-        seq.states = [self.prefix_states[entry][:reused]] if entry is not None and _needs_states(seq) else []
+        # a row keeping the target's states starts from the entry's (a head's row finds them
+        # there: _lookup); a plain row whose entry kept fewer keeps none (they would not start at 0)
+        kept = self._kept_states(entry) if entry is not None and seq.keeps_states else None
+        seq.states = [kept[:reused]] if kept is not None and kept.shape[0] >= reused else []
+        seq.keeps_states = seq.keeps_states and (bool(seq.states) or not reused)
 
     def _lookup(self, seq: Sequence) -> tuple[int, int | None]:
         """The longest cached prefix `seq` can use: a row whose head reads the target's states
@@ -74,10 +79,14 @@ class Scheduler:
         self._load_from_disk(seq.prompt)
         if not _needs_states(seq):
             return self.prefix_cache.lookup(seq.prompt)
-        width = self.runner.states_width  # entries kept before layers were tapped are narrower
-        kept = lambda entry: (len(self.prefix_states[entry]) if entry in self.prefix_states  # noqa: E731
-                              and self.prefix_states[entry].shape[-1] == width else 0)
+        kept = lambda entry: 0 if (states := self._kept_states(entry)) is None else states.shape[0]  # noqa: E731
         return self.prefix_cache.lookup(seq.prompt, usable=kept)
+
+    def _kept_states(self, entry: int) -> mx.array | None:
+        """The target's states `entry` kept, if any at today's width (entries kept before a head
+        tapped more of the target's layers are narrower)."""
+        states = self.prefix_states.get(entry)
+        return states if states is not None and states.shape[-1] == self.runner.states_width else None
 
     def _memory_for(self, seq: Sequence) -> bool:
         """Room for `seq`'s KV? Under pressure, finished requests' prefixes go first, then MLX's
@@ -121,12 +130,13 @@ class Scheduler:
     def _share_with_siblings(self, seq: Sequence) -> None:
         """Requests waiting to prefill the same prompt (the n choices of one request, or clients
         sending the same prompt at once) start from this one's KV instead of computing it again."""
-        # the entry has no states: a head reading them (MTP) could not start from it
-        siblings = [s for s in self._unstarted() if s.prompt == seq.prompt and not _needs_states(s)]
+        states = _states(seq, len(seq.prompt))  # without them, a head's row could not start from it
+        siblings = [s for s in self._unstarted() if s.prompt == seq.prompt
+                    and (not _needs_states(s) or (states is not None and len(states) == len(s.prompt)))]
         if not siblings:
             return
         slot = seq.request.id
-        entry = self._store_prefix(seq.prompt, self.runner.slot_nbytes(slot, len(seq.prompt)))
+        entry = self._store_prefix(seq.prompt, self.runner.slot_nbytes(slot, len(seq.prompt)), states)
         if entry != NO_ENTRY:  # else already stored, or too large for the cache
             self.runner.share_slot_prefix(slot, entry, len(seq.prompt))
         self._reseat(siblings)
@@ -280,10 +290,10 @@ def _needs_states(seq: Sequence) -> bool:
 
 
 def _states(seq: Sequence, length: int, computing: list[mx.array] = ()) -> mx.array | None:
-    """The target's states for `seq`'s first `length` positions, when it kept them all
-    (`computing`: the chunks a prefill computed after its reused prefix)."""
+    """The target's states `seq` kept for its first `length` positions, from the first on (a row
+    without a head keeps its prompt's only: a head's row reuses the entry that far); `computing`:
+    the chunks a prefill computed after its reused prefix."""
     blocks = seq.states + list(computing)
-    if not _needs_states(seq) or not blocks:
+    if not seq.keeps_states or not blocks:
         return None
-    states = join_states(blocks)
-    return states[:length] if states.shape[0] >= length else None
+    return join_states(blocks)[:length]

@@ -77,6 +77,9 @@ class Sequence:
     # The target's states for the cached positions of rows whose proposer reads them (MTP): a
     # stored prefix carries them, so a later request's head starts from them, not from scratch.
     states: list[mx.array] = field(default_factory=list)
+    # Its prompt's states are kept (a loaded head reads them): a row without a head keeps them
+    # for the prefix it stores (else a head's rows computed a plain row's cached prefix again).
+    keeps_states: bool = False
     started: float = field(default_factory=time.perf_counter)
     decode_started: float = 0.0
     kv_need: int = 0  # bytes of KV at full length (prompt + max_tokens + drafts)
@@ -177,4 +180,4 @@ def new_sequence(req: GenerationRequest, runtime, speculator: Speculator, max_co
         eos |= set(runtime.tokenizer.eos_token_ids)
     need = (len(req.prompt) + req.max_tokens + k_max + 1) * runtime.kv_bytes_per_token(method, tp_size)
     return Sequence(req, method, record, GenerationStats(method, record.k_max, spec=record.stats),
-                    Rng(req.params.seed), eos, list(req.prompt), kv_need=need)
+                    Rng(req.params.seed), eos, list(req.prompt), kv_need=need, keeps_states=runtime.reads_states)
