@@ -97,3 +97,34 @@ def test_mla_cache_with_indexer_and_mtp_states_survives_a_restart(tmp_path):
         caches.append(engine.status()["prefix_cache"])
     assert outputs[0] == outputs[1]
     assert caches[1]["disk"]["loads"] == 1 and caches[1]["reused_tokens"] == len(prompt) - 1, caches
+
+
+def test_a_disk_that_cannot_be_written_costs_the_cache_never_a_request(tmp_path, caplog):
+    """The cache directory vanished (here: a file where it was): every later write fails. Each
+    request still completes with the same output, the entry stays in RAM, and the failure is
+    one warning and a count in /v1/status, not a failed step that fails every request."""
+    from macspec.engine.engine import Engine
+    from macspec.sampling import SamplingParams
+
+    from .serverutil import runtime_with
+
+    runtime = runtime_with("tiny", kv__prefix_cache_disk_gb=0.1, kv__prefix_cache_disk_dir=str(tmp_path / "kv"))
+    engine = Engine(runtime)
+    prompts = [runtime.tokenizer.encode(f"{i} " + PROMPT)[:300] for i in range(3)]
+    [first] = engine.generate([prompts[0]], SamplingParams(), 8)
+    engine.idle(0.0)
+    assert engine.status()["prefix_cache"]["disk"]["entries"] == 1
+    root = engine.runner.disk.root
+    for path in root.iterdir():
+        path.unlink()
+    root.rmdir()
+    root.write_text("not a directory")
+    with caplog.at_level("WARNING"):
+        done = engine.generate(prompts[1:], SamplingParams(), 8)  # admission persists the last one
+        engine.idle(0.0)
+        again = engine.generate([prompts[1]], SamplingParams(), 8)[0]
+    assert all(c.error is None for c in [*done, again])
+    assert again.tokens == done[0].tokens and again.stats["cached_prompt_tokens"] == len(prompts[1]) - 1
+    disk = engine.status()["prefix_cache"]["disk"]
+    assert disk["write_errors"] >= 1, disk
+    assert sum("could not write" in r.message for r in caplog.records) == 1

@@ -71,7 +71,7 @@ class DiskPrefixStore:
         self.entries: dict[str, DiskEntry] = {}
         self.by_tokens: dict[tuple[int, ...], str] = {}
         self.tree = RadixTree()  # entries' tokens: a prompt may share only part of an entry
-        self.hits = self.loads = self.evictions = self.corrupt = 0
+        self.hits = self.loads = self.evictions = self.corrupt = self.write_errors = 0
         self._scan()
 
     def _scan(self) -> None:
@@ -130,12 +130,26 @@ class DiskPrefixStore:
                 "layers": json.dumps([len(leaf) for leaf in layers])}
         final = self.root / name
         tmp = self.root / (name[: -len(SUFFIX)] + f".tmp{os.getpid()}" + SUFFIX)
-        mx.save_safetensors(str(tmp), arrays, metadata=meta)
-        os.replace(tmp, final)
+        try:
+            mx.save_safetensors(str(tmp), arrays, metadata=meta)
+            os.replace(tmp, final)
+        except (OSError, RuntimeError) as err:  # a full, read-only or vanished disk costs the
+            self._write_failed(tmp, err)  # cache a copy, never a request its step
+            return
         for covered in self.tree.keys_on_path(tuple(tokens)):  # the new entry holds their KV too
             self._remove(self.entries[self.by_tokens[covered]])
         self._index(DiskEntry(final, tuple(tokens), final.stat().st_size))
         self._evict()
+
+    def _write_failed(self, tmp: Path, err: Exception) -> None:
+        """Logged once as a warning (a disk that stays full fails every write), then at debug."""
+        self.write_errors += 1
+        say = log.warning if self.write_errors == 1 else log.debug
+        say("prefix cache on disk: could not write under %s (%s); entries stay in memory only", self.root, err)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
     def _evict(self) -> None:
         by_age = sorted(self.entries.values(), key=lambda e: e.path.stat().st_mtime_ns)
@@ -193,4 +207,5 @@ class DiskPrefixStore:
 
     def as_dict(self) -> dict:
         return {"entries": len(self.entries), "bytes": self.nbytes, "hits": self.hits,
-                "loads": self.loads, "evictions": self.evictions, "corrupt": self.corrupt}
+                "loads": self.loads, "evictions": self.evictions, "corrupt": self.corrupt,
+                "write_errors": self.write_errors}
