@@ -18,7 +18,8 @@ import threading
 logger = logging.getLogger(__name__)
 
 # Where the engine checks for injected faults.
-POINTS = ("plan", "proposer_start", "propose", "proposer_observe", "acceptance", "cost_model", "admit", "prefill", "decode")
+POINTS = ("plan", "proposer_start", "propose", "proposer_observe", "acceptance", "cost_model", "admit", "prefill",
+          "decode")
 
 _armed: dict[str, list] = {}
 _armed_lock = threading.Lock()
