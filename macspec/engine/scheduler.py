@@ -130,9 +130,12 @@ class Scheduler:
     def _share_with_siblings(self, seq: Sequence) -> None:
         """Requests waiting to prefill the same prompt (the n choices of one request, or clients
         sending the same prompt at once) start from this one's KV instead of computing it again."""
+        siblings = [s for s in self._unstarted() if s.prompt == seq.prompt]
+        if not siblings:  # the usual case: no states joined for nothing on every prefill
+            return
         states = _states(seq, len(seq.prompt))  # without them, a head's row could not start from it
-        siblings = [s for s in self._unstarted() if s.prompt == seq.prompt
-                    and (not _needs_states(s) or (states is not None and len(states) == len(s.prompt)))]
+        whole = states is not None and states.shape[0] == len(seq.prompt)
+        siblings = [s for s in siblings if whole or not _needs_states(s)]
         if not siblings:
             return
         slot = seq.request.id

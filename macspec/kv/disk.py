@@ -9,6 +9,7 @@ headers alone. LRU by file mtime (touched on every hit), bounded by `max_bytes`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -146,10 +147,8 @@ class DiskPrefixStore:
         self.write_errors += 1
         say = log.warning if self.write_errors == 1 else log.debug
         say("prefix cache on disk: could not write under %s (%s); entries stay in memory only", self.root, err)
-        try:
+        with contextlib.suppress(OSError):  # its directory may be what vanished
             tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
 
     def _evict(self) -> None:
         by_age = sorted(self.entries.values(), key=lambda e: e.path.stat().st_mtime_ns)
