@@ -224,10 +224,8 @@ class Scheduler:
             return NO_ENTRY
         if states is None:  # keep what an entry this one replaces kept for MTP rows
             states = self._covered_states(tokens)
-        else:  # computed now (a copy): a lazy join would hold every earlier entry's blocks alive
-            mx.eval(states)
-            if self._attach_states(tokens, states):
-                return NO_ENTRY
+        elif self._attach_states(tokens, states):
+            return NO_ENTRY
         entry, dropped = self.prefix_cache.store(tokens, nbytes + (states.nbytes if states is not None else 0))
         if dropped:
             self._drop_prefixes(dropped)
