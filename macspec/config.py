@@ -93,6 +93,8 @@ class ModelConfig:
                              "vectorised exp; MLX's CPU exp is ~5x slower); false = MLX everywhere")
     expert_union: bool = spec(True, _bool, "MoE targets: a multi-token step (a verify window, a batch) "
                               "reads each distinct expert once; false = mlx-lm's per-pair gathers")
+    cpu_row_padding: bool = spec(True, _bool, "CPU backend: run each small matmul at the row count measured "
+                                 "fastest here (OpenBLAS ran 6 rows 1.7x slower than 8); false = as given")
 
 
 @dataclass

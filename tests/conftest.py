@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import macspec  # noqa: F401  (loads the fast BLAS before mlx)
 
+import os
+
 import pytest
+
+# Every product at its own row count unless a test picks a padding: a table timed under load must
+# not pick which kernel's rounding a test's greedy tokens see (servers the tests start inherit it).
+os.environ.setdefault("MACSPEC_ROW_PADS", "none")
 
 from macspec.config import BUILTIN_PROFILE_DIR, load_profile
 from macspec.proposers import BY_NAME

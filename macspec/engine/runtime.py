@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..config import Profile
 from ..errors import MacspecError, RequestError
-from ..models import cpu_prefill, expert_union
+from ..models import cpu_prefill, expert_union, row_padding
 from ..models.checkpoint import LoadedModel
 from ..models.loader import load_model
 from ..models.dflash import DFlashDrafter
@@ -76,6 +76,14 @@ class Runtime:
         except MacspecError as err:
             self.unavailable[method] = f"speculative method {method!r} is unavailable: {err}"
             raise RequestError(self.unavailable[method]) from err
+        self.route_rows()
+
+    def route_rows(self) -> None:
+        """Every loaded model's small matmuls at the row counts this CPU runs fastest."""
+        for model in (self.target.model, getattr(self.draft, "model", None), self.mtp_head, self.eagle3_head,
+                      self.dflash_drafter):
+            if model is not None:
+                row_padding.route(model)
 
     @classmethod
     def load(cls, profile: Profile, tp=None) -> "Runtime":
@@ -84,6 +92,7 @@ class Runtime:
         apply_wired_limit(profile.hardware.wired_limit_mb)  # Metal only: before weights land
         cpu_prefill.enable(m.cpu_prefill)
         expert_union.enable(m.expert_union)
+        row_padding.enable(m.cpu_row_padding)
         with phase(f"loading {m.path}" + (f" (shard of {tp.size})" if tp else "")):
             target = load_model(m.path, m.dtype, m.revision, m.trust_remote_code,
                                 group=tp.group if tp else None)
@@ -93,5 +102,6 @@ class Runtime:
         runtime = cls(profile, target, profile.speculative.method)
         if runtime.method != proposers.PLAIN:
             proposers.implementation(runtime.method).load(runtime, runtime.method)
+        runtime.route_rows()
         logger.info("loaded %s (method %s)", target.path, runtime.method)
         return runtime

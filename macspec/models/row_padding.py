@@ -1,0 +1,166 @@
+"""Small matmuls at the row count this machine runs fastest (MLX's CPU backend, float32).
+
+A decode step multiplies each weight by rows × window tokens, a handful. OpenBLAS splits a
+product's rows between its threads and runs them through fixed-size kernels, and some row counts
+leave a slow tail: on this 2-core machine (Haswell kernels, 2 threads) a 576 x 1536 product took
+290 µs at 6 rows and 174 µs at 8, and SmolLM2's forward at 3 rows x a window of 2 cost 1.30-1.44x
+its 3-row step (so drafting at three rows paid only above ~0.4 acceptance). Which counts are slow
+depends on the library, its kernels and its threads, so it is measured: each count's time through
+the loaded model's distinct float Linear shapes, and a product of m rows runs at the count p >= m
+measured fastest, padded with zero rows whose outputs are dropped. Each output row is its own
+dot products, so padding changes no value beyond the kernel's rounding (as any batch size does).
+
+One switch (the profile's `model.cpu_row_padding`, on by default); the measured table is kept per
+machine in the cache dir. MACSPEC_ROW_PADS=none runs every product as given (the test suite's
+default: a table measured under load must not pick which kernel a test's greedy tokens see).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections import Counter
+from contextlib import contextmanager
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..paths import cache_dir, read_json, update_json
+from ..progress import phase
+from .switch import Switch
+
+logger = logging.getLogger(__name__)
+
+TOP_ROWS = 64  # row counts measured; a product of more rows runs as given (its tail is a fraction)
+PAD_GAIN = 0.05  # a padded count must be this much faster: the timings' noise is not a gain
+REPEATS = 3  # timings per count, interleaved across counts, the least kept (noise only adds)
+CHAIN, CHAIN_BYTES = 16, 32 << 20  # products per timing: up to 16 or 32 MB of weights read
+PADS_FILE = "row-pads.json"  # in the cache dir
+ENV = "MACSPEC_ROW_PADS"  # "none": every product as given
+
+_switch = Switch()
+enable = _switch.set
+as_given = _switch.off  # every product at its own row count: the reference
+_table: list[int] | None = None  # rows -> the rows it runs at (index 0 unused)
+
+
+def choose(seconds: dict[int, float], gain: float = PAD_GAIN) -> list[int]:
+    """Row counts measured -> the count each runs at: the fastest count at or above it, where that
+    is faster by `gain` (else its own)."""
+    top = max(seconds)
+    table = [0]
+    for rows in range(1, top + 1):
+        best = min(range(rows, top + 1), key=lambda p: (seconds[p], p))
+        table.append(best if seconds[best] < (1.0 - gain) * seconds[rows] else rows)
+    return table
+
+
+def rows_for(rows: int) -> int:
+    """The count a product of `rows` rows runs at now."""
+    if not _switch.on or _table is None or rows >= len(_table):
+        return rows
+    return _table[rows]
+
+
+@contextmanager
+def fixed(table: list[int]):
+    """Run with this table (tests: a padding chosen by hand, not by a timing)."""
+    global _table
+    before, _table = _table, table
+    try:
+        with _on():
+            yield
+    finally:
+        _table = before
+
+
+@contextmanager
+def _on():
+    before, _switch.on = _switch.on, True
+    try:
+        yield
+    finally:
+        _switch.on = before
+
+
+def padded(x: mx.array, product) -> mx.array:
+    """product(x), its rows run at the table's count for them."""
+    width = x.shape[-1]
+    rows = x.size // width if width else 0
+    to = rows_for(rows) if x.dtype == mx.float32 and mx.default_device() == mx.cpu else rows
+    if to == rows:
+        return product(x)
+    out = product(mx.pad(x.reshape(rows, width), [(0, to - rows), (0, 0)]))[:rows]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class PaddedLinear(nn.Linear):
+    def __call__(self, x: mx.array) -> mx.array:
+        return padded(x, super().__call__)
+
+
+class PaddedEmbedding(nn.Embedding):
+    def as_linear(self, x: mx.array) -> mx.array:  # a tied output head
+        return padded(x, super().as_linear)
+
+
+def route(model) -> int:
+    """Run `model`'s float Linear layers (and a tied head) through the table, measuring it on this
+    model's shapes if this process has none yet; none where no count runs padded (a product then
+    pays no wrapper). -> the layers routed now."""
+    global _table
+    if not _switch.on or mx.default_device() != mx.cpu:
+        return 0
+    layers = [m for _, m in model.named_modules()
+              if type(m) in (nn.Linear, nn.Embedding) and m.weight.dtype == mx.float32]
+    if not layers:
+        return 0
+    if _table is None:
+        shapes = Counter(tuple(m.weight.shape) for m in layers)
+        _table = [] if os.environ.get(ENV) == "none" else _kept_or_measured(dict(sorted(shapes.items())))
+    if all(to == rows for rows, to in enumerate(_table)):
+        return 0
+    for layer in layers:
+        layer.__class__ = PaddedLinear if type(layer) is nn.Linear else PaddedEmbedding
+    return len(layers)
+
+
+def _kept_or_measured(shapes: dict[tuple[int, int], int]) -> list[int]:
+    from ..blas import blas_info
+
+    blas = blas_info()
+    key = hashlib.sha256(json.dumps([list(shapes.items()), blas.config, blas.core, blas.threads, platform.machine(),
+                                     os.cpu_count(), mx.__version__]).encode()).hexdigest()[:20]
+    path = cache_dir() / PADS_FILE
+    kept = read_json(path).get(key)
+    if isinstance(kept, list) and kept and all(isinstance(p, int) and p >= r for r, p in enumerate(kept)):
+        return kept
+    with phase("timing small matmuls"):
+        table = choose(measure(shapes))
+    logger.info("row counts run padded on this machine: %s",
+                {rows: to for rows, to in enumerate(table) if to != rows} or "none")
+    update_json(path, lambda stored: {**stored, key: table}, "row pads")
+    return table
+
+
+def measure(shapes: dict[tuple[int, int], int], top: int = TOP_ROWS, repeats: int = REPEATS) -> dict[int, float]:
+    """Seconds per row count for a forward's products: each (out, in) weight shape's least time of
+    `repeats` rounds (each round times every count once, so a neighbour's burst meets them all),
+    times how many layers have it. A shape's products run several to an evaluation, as a forward
+    runs them: one alone read 1 row slower than 8 (thread wake-ups), 12 % faster in a chain."""
+    weights = {shape: mx.random.normal(shape) * 0.02 for shape in shapes}
+    inputs = {rows: {shape: mx.random.normal((rows, shape[1])) for shape in shapes} for rows in range(1, top + 1)}
+    mx.eval(weights, inputs)
+    runs = {shape: max(1, min(CHAIN, CHAIN_BYTES // (4 * shape[0] * shape[1]))) for shape in shapes}
+    best = {(rows, shape): float("inf") for rows in inputs for shape in shapes}
+    for _ in range(repeats):
+        for rows, xs in inputs.items():
+            for shape, x in xs.items():
+                start = time.perf_counter()
+                mx.eval([x @ weights[shape].T for _ in range(runs[shape])])
+                best[rows, shape] = min(best[rows, shape], (time.perf_counter() - start) / runs[shape])
+    return {rows: sum(best[rows, shape] * count for shape, count in shapes.items()) for rows in inputs}
