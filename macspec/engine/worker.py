@@ -15,7 +15,7 @@ import time
 from ..config import load_profile
 from ..kv.disk import open_store
 from .runner import TargetRunner
-from ..models import cpu_prefill, expert_union
+from ..models import cpu_prefill, expert_union, row_padding
 from ..models.loader import load_model
 from ..models.view import ModelView
 from ..distributed.bootstrap import GROUP_ENV, BootstrapError, join_group, joining_marker
@@ -39,7 +39,9 @@ def worker_main(profile_ref: str, rank: int) -> None:
     m = profile.model
     cpu_prefill.enable(m.cpu_prefill)  # every rank prefills as rank 0 does
     expert_union.enable(m.expert_union)  # and groups a step's experts as it does
+    row_padding.enable(m.cpu_row_padding)  # and pads its products' rows as it does
     target = load_model(m.path, m.dtype, m.revision, m.trust_remote_code, group=group)
+    row_padding.route(target.model)
     logger.info("rank %d: shard of %s loaded", rank, target.path)
     disk = open_store(profile.kv, target.path, m.dtype, rank, group.size())
     serve_plans(TargetRunner(ModelView(target.model), group, disk), PlanChannel(group),

@@ -39,6 +39,7 @@ TOP_ROWS = 64  # row counts measured; a product of more rows runs as given (its 
 PAD_GAIN = 0.05  # a padded count must be this much faster: the timings' noise is not a gain
 REPEATS = 3  # timings per count, interleaved across counts, the least kept (noise only adds)
 CHAIN, CHAIN_BYTES = 16, 32 << 20  # products per timing: up to 16 or 32 MB of weights read
+MEASURED_OUTS = 8192  # a wider weight (an output head) is timed on this many outputs, scaled
 PADS_FILE = "row-pads.json"  # in the cache dir
 ENV = "MACSPEC_ROW_PADS"  # "none": every product as given
 
@@ -151,11 +152,15 @@ def measure(shapes: dict[tuple[int, int], int], top: int = TOP_ROWS, repeats: in
     """Seconds per row count for a forward's products: each (out, in) weight shape's least time of
     `repeats` rounds (each round times every count once, so a neighbour's burst meets them all),
     times how many layers have it. A shape's products run several to an evaluation, as a forward
-    runs them: one alone read 1 row slower than 8 (thread wake-ups), 12 % faster in a chain."""
-    weights = {shape: mx.random.normal(shape) * 0.02 for shape in shapes}
-    inputs = {rows: {shape: mx.random.normal((rows, shape[1])) for shape in shapes} for rows in range(1, top + 1)}
+    runs them: one alone read 1 row slower than 8 (thread wake-ups), 12 % faster in a chain. An
+    output head is timed on its first MEASURED_OUTS outputs, scaled (its rows split as any's)."""
+    key = mx.random.key(0)  # not the process's random state
+    cut = {shape: min(shape[0], MEASURED_OUTS) for shape in shapes}
+    weights = {shape: mx.random.normal((cut[shape], shape[1]), key=key) * 0.02 for shape in shapes}
+    inputs = {rows: {shape: mx.random.normal((rows, shape[1]), key=key) for shape in shapes}
+              for rows in range(1, top + 1)}
     mx.eval(weights, inputs)
-    runs = {shape: max(1, min(CHAIN, CHAIN_BYTES // (4 * shape[0] * shape[1]))) for shape in shapes}
+    runs = {shape: max(1, min(CHAIN, CHAIN_BYTES // weights[shape].nbytes)) for shape in shapes}
     best = {(rows, shape): float("inf") for rows in inputs for shape in shapes}
     for _ in range(repeats):
         for rows, xs in inputs.items():
@@ -163,4 +168,10 @@ def measure(shapes: dict[tuple[int, int], int], top: int = TOP_ROWS, repeats: in
                 start = time.perf_counter()
                 mx.eval([x @ weights[shape].T for _ in range(runs[shape])])
                 best[rows, shape] = min(best[rows, shape], (time.perf_counter() - start) / runs[shape])
-    return {rows: sum(best[rows, shape] * count for shape, count in shapes.items()) for rows in inputs}
+    return {rows: sum(best[rows, shape] * count * shape[0] / cut[shape] for shape, count in shapes.items())
+            for rows in inputs}
+
+
+def table() -> list[int]:
+    """The table in use ([] for none yet, or none measured): what a step's cost depends on."""
+    return list(_table or [])

@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ..models import row_padding
 from ..paths import read_json, update_json
 from .costs import StepCosts
 
@@ -40,7 +41,7 @@ def cost_key(runtime, method: str, max_batch: int, ranks: int) -> str:
              "max_batch": max_batch, "ranks": ranks, "hosts": runtime.profile.parallel.hosts,
              "device": str(mx.default_device()), "chip": info.get("device_name", ""),
              "cpu": platform.machine(), "cores": os.cpu_count(), "mlx": mx.__version__,
-             "blas": [blas.name, blas.core, blas.threads]}
+             "blas": [blas.name, blas.core, blas.threads], "row_pads": row_padding.table()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
