@@ -75,12 +75,12 @@ def test_greedy_decoding_with_rows_padded_stays_lossless(prompts):
 
 
 def test_a_machine_measures_its_table_once(monkeypatch):
-    shapes = {(8, 16): 2, (16, 8): 1}
-    table = row_padding._kept_or_measured(shapes)
+    weights = [mx.random.normal((16, 8)), mx.random.normal((8, 16)), mx.random.normal((16, 8))]
+    table = row_padding._kept_or_measured(weights)
     assert len(table) == row_padding.TOP_ROWS + 1 and all(to >= rows for rows, to in enumerate(table))
 
     def timed_again(*args, **kwargs):
         raise AssertionError("measured again")
 
     monkeypatch.setattr(row_padding, "measure", timed_again)
-    assert row_padding._kept_or_measured(shapes) == table
+    assert row_padding._kept_or_measured(weights) == table

@@ -38,8 +38,7 @@ logger = logging.getLogger(__name__)
 TOP_ROWS = 64  # row counts measured; a product of more rows runs as given (its tail is a fraction)
 PAD_GAIN = 0.05  # a padded count must be this much faster: the timings' noise is not a gain
 REPEATS = 3  # timings per count, interleaved across counts, the least kept (noise only adds)
-CHAIN, CHAIN_BYTES = 16, 32 << 20  # products per timing: up to 16 or 32 MB of weights read
-MEASURED_OUTS = 8192  # a wider weight (an output head) is timed on this many outputs, scaled
+SAMPLE_BYTES = 64 << 20  # weights timed per run (every stride-th layer's): more than a CPU caches
 PADS_FILE = "row-pads.json"  # in the cache dir
 ENV = "MACSPEC_ROW_PADS"  # "none": every product as given
 
@@ -95,8 +94,15 @@ def padded(x: mx.array, product) -> mx.array:
     to = rows_for(rows) if x.dtype == mx.float32 and mx.default_device() == mx.cpu else rows
     if to == rows:
         return product(x)
-    out = product(mx.pad(x.reshape(rows, width), [(0, to - rows), (0, 0)]))[:rows]
+    out = _run_at(x.reshape(rows, width), to, product)
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _run_at(x: mx.array, to: int, product) -> mx.array:
+    """product(x) for 2-D x, run at `to` rows: zero rows added, their outputs cut."""
+    if to == x.shape[0]:
+        return product(x)
+    return product(mx.pad(x, [(0, to - x.shape[0]), (0, 0)]))[: x.shape[0]]
 
 
 class PaddedLinear(nn.Linear):
@@ -121,8 +127,7 @@ def route(model) -> int:
     if not layers:
         return 0
     if _table is None:
-        shapes = Counter(tuple(m.weight.shape) for m in layers)
-        _table = [] if os.environ.get(ENV) == "none" else _kept_or_measured(dict(sorted(shapes.items())))
+        _table = [] if os.environ.get(ENV) == "none" else _kept_or_measured([m.weight for m in layers])
     if all(to == rows for rows, to in enumerate(_table)):
         return 0
     for layer in layers:
@@ -130,46 +135,58 @@ def route(model) -> int:
     return len(layers)
 
 
-def _kept_or_measured(shapes: dict[tuple[int, int], int]) -> list[int]:
+def _kept_or_measured(weights: list[mx.array]) -> list[int]:
     from ..blas import blas_info
 
     blas = blas_info()
-    key = hashlib.sha256(json.dumps([list(shapes.items()), blas.config, blas.core, blas.threads, platform.machine(),
+    shapes = sorted(Counter(tuple(w.shape) for w in weights).items())
+    key = hashlib.sha256(json.dumps([shapes, blas.config, blas.core, blas.threads, platform.machine(),
                                      os.cpu_count(), mx.__version__]).encode()).hexdigest()[:20]
     path = cache_dir() / PADS_FILE
     kept = read_json(path).get(key)
     if isinstance(kept, list) and kept and all(isinstance(p, int) and p >= r for r, p in enumerate(kept)):
         return kept
     with phase("timing small matmuls"):
-        table = choose(measure(shapes))
+        table = measured_table(weights)
     logger.info("row counts run padded on this machine: %s",
                 {rows: to for rows, to in enumerate(table) if to != rows} or "none")
     update_json(path, lambda stored: {**stored, key: table}, "row pads")
     return table
 
 
-def measure(shapes: dict[tuple[int, int], int], top: int = TOP_ROWS, repeats: int = REPEATS) -> dict[int, float]:
-    """Seconds per row count for a forward's products: each (out, in) weight shape's least time of
-    `repeats` rounds (each round times every count once, so a neighbour's burst meets them all),
-    times how many layers have it. A shape's products run several to an evaluation, as a forward
-    runs them: one alone read 1 row slower than 8 (thread wake-ups), 12 % faster in a chain. An
-    output head is timed on its first MEASURED_OUTS outputs, scaled (its rows split as any's)."""
+def measured_table(weights: list[mx.array], top: int = TOP_ROWS) -> list[int]:
+    """Two passes over a forward's products: every count's products alone pick a candidate
+    (choose()); then each candidate is timed as it runs, padded and cut back, against its count as
+    given, and kept where it is faster by PAD_GAIN. The pad and the cut are two more operations
+    per product (~3.5 ms of SmolLM2's ~45 ms forward here)."""
+    alone = measure(weights, [(rows, rows) for rows in range(1, top + 1)])
+    candidates = choose({rows: seconds for (rows, _), seconds in alone.items()})
+    pairs = [(rows, to) for rows, to in enumerate(candidates) if to != rows]
+    timed = measure(weights, pairs + [(rows, rows) for rows, _ in pairs])
+    return [to if to == rows or timed[rows, to] < (1.0 - PAD_GAIN) * timed[rows, rows] else rows
+            for rows, to in enumerate(candidates)]
+
+
+def measure(weights: list[mx.array], runs: list[tuple[int, int]], repeats: int = REPEATS) -> dict[tuple[int, int], float]:
+    """Seconds of a forward's products (the model's own weights, every stride-th where they exceed
+    SAMPLE_BYTES, scaled) for each (rows, run at): the least of `repeats` rounds, each timing every
+    run once (a neighbour's burst meets them all). The weights are the model's, read from memory
+    as a step reads them: one weight timed over and over stays in cache, where 2-4 rows read
+    faster padded to 8 where a SmolLM2 step at one row x a window of 2 was as fast either way."""
+    stride = max(1, -(-sum(w.nbytes for w in weights) // SAMPLE_BYTES))
+    sample = weights[::stride]
+    scale = sum(w.nbytes for w in weights) / sum(w.nbytes for w in sample)
     key = mx.random.key(0)  # not the process's random state
-    cut = {shape: min(shape[0], MEASURED_OUTS) for shape in shapes}
-    weights = {shape: mx.random.normal((cut[shape], shape[1]), key=key) * 0.02 for shape in shapes}
-    inputs = {rows: {shape: mx.random.normal((rows, shape[1]), key=key) for shape in shapes}
-              for rows in range(1, top + 1)}
-    mx.eval(weights, inputs)
-    runs = {shape: max(1, min(CHAIN, CHAIN_BYTES // weights[shape].nbytes)) for shape in shapes}
-    best = {(rows, shape): float("inf") for rows in inputs for shape in shapes}
+    inputs = {(rows, width): mx.random.normal((rows, width), key=key)
+              for rows in {r for r, _ in runs} for width in {w.shape[1] for w in sample}}
+    mx.eval(inputs)
+    best = {run: float("inf") for run in runs}
     for _ in range(repeats):
-        for rows, xs in inputs.items():
-            for shape, x in xs.items():
-                start = time.perf_counter()
-                mx.eval([x @ weights[shape].T for _ in range(runs[shape])])
-                best[rows, shape] = min(best[rows, shape], (time.perf_counter() - start) / runs[shape])
-    return {rows: sum(best[rows, shape] * count * shape[0] / cut[shape] for shape, count in shapes.items())
-            for rows in inputs}
+        for rows, to in runs:
+            start = time.perf_counter()
+            mx.eval([_run_at(inputs[rows, w.shape[1]], to, lambda a, w=w: a @ w.T) for w in sample])
+            best[rows, to] = min(best[rows, to], time.perf_counter() - start)
+    return {run: seconds * scale for run, seconds in best.items()}
 
 
 def table() -> list[int]:
