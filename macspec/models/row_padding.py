@@ -5,9 +5,9 @@ product's rows between its threads and runs them through fixed-size kernels, and
 leave a slow tail: on this 2-core machine (Haswell kernels, 2 threads) a 576 x 1536 product took
 290 µs at 6 rows and 174 µs at 8, and SmolLM2's forward at 3 rows x a window of 2 cost 1.30-1.44x
 its 3-row step (so drafting at three rows paid only above ~0.4 acceptance). Which counts are slow
-depends on the library, its kernels and its threads, so it is measured: each count's time through
-the loaded model's distinct float Linear shapes, and a product of m rows runs at the count p >= m
-measured fastest, padded with zero rows whose outputs are dropped. Each output row is its own
+depends on the library, its kernels and its threads, so it is measured (measured_table(), through
+the loaded model's own weights), and a product of m rows runs at the count p >= m measured
+fastest, padded with zero rows whose outputs are dropped. Each output row is its own
 dot products, so padding changes no value beyond the kernel's rounding (as any batch size does).
 
 One switch (the profile's `model.cpu_row_padding`, on by default); the measured table is kept per
@@ -44,7 +44,6 @@ ENV = "MACSPEC_ROW_PADS"  # "none": every product as given
 
 _switch = Switch()
 enable = _switch.set
-as_given = _switch.off  # every product at its own row count: the reference
 _table: list[int] | None = None  # rows -> the rows it runs at (index 0 unused)
 
 
