@@ -71,19 +71,10 @@ def fixed(table: list[int]):
     global _table
     before, _table = _table, table
     try:
-        with _on():
+        with _switch.held(True):
             yield
     finally:
         _table = before
-
-
-@contextmanager
-def _on():
-    before, _switch.on = _switch.on, True
-    try:
-        yield
-    finally:
-        _switch.on = before
 
 
 def padded(x: mx.array, product) -> mx.array:
@@ -116,7 +107,7 @@ class PaddedEmbedding(nn.Embedding):
 
 def route(model) -> int:
     """Run `model`'s float Linear layers (and a tied head) through the table, measuring it on this
-    model's shapes if this process has none yet; none where no count runs padded (a product then
+    model's weights if this process has none yet; none where no count runs padded (a product then
     pays no wrapper). -> the layers routed now."""
     global _table
     if not _switch.on or mx.default_device() != mx.cpu:
@@ -170,8 +161,8 @@ def measure(weights: list[mx.array], runs: list[tuple[int, int]], repeats: int =
     """Seconds of a forward's products (the model's own weights, every stride-th where they exceed
     SAMPLE_BYTES, scaled) for each (rows, run at): the least of `repeats` rounds, each timing every
     run once (a neighbour's burst meets them all). The weights are the model's, read from memory
-    as a step reads them: one weight timed over and over stays in cache, where 2-4 rows read
-    faster padded to 8 where a SmolLM2 step at one row x a window of 2 was as fast either way."""
+    as a step reads them: one weight timed over and over stays in cache, and there 2-4 rows read
+    faster padded to 8, while a SmolLM2 step at one row x a window of 2 was as fast either way."""
     stride = max(1, -(-sum(w.nbytes for w in weights) // SAMPLE_BYTES))
     sample = weights[::stride]
     scale = sum(w.nbytes for w in weights) / sum(w.nbytes for w in sample)

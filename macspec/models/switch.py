@@ -18,10 +18,14 @@ class Switch:
     def set(self, on: bool) -> None:
         self.on = on
 
-    @contextmanager
     def off(self):
         """mlx-lm's own path inside (a reference to compare with)."""
-        before, self.on = self.on, False
+        return self.held(False)
+
+    @contextmanager
+    def held(self, on: bool):
+        """On or off inside, as it was after."""
+        before, self.on = self.on, on
         try:
             yield
         finally:
