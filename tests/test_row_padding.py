@@ -68,6 +68,8 @@ def test_greedy_decoding_with_rows_padded_stays_lossless(prompts):
         plain = engine.generate(rows, [SamplingParams()] * len(rows), 32, method="none")
         spec = engine.generate(rows, [SamplingParams()] * len(rows), 32, num_draft=3,
                                method=[methods[i % len(methods)] for i in range(len(rows))])
+        assert engine.status()["row_padding"] == {"on": True, "padded": {str(r): PADS[r] for r in range(2, 65)
+                                                                       if PADS[r] != r}}
     for i, (p, s) in enumerate(zip(plain, spec)):
         assert s.error is None, s.error
         assert s.tokens == p.tokens, f"row {i} ({methods[i % len(methods)]}) diverged"

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from .. import proposers
+from ..models import row_padding
 from ..monitor.memory import MB, usage
 
 logger = logging.getLogger(__name__)
@@ -79,5 +80,6 @@ def engine_status(engine) -> dict:
         "memory": {**usage(), "kv_budget_bytes": memory.budget, "kv_reserved_bytes": memory.reserved,
                    "limit_bytes": memory.limit},
         "admission": memory.as_dict(),
+        "row_padding": row_padding.status(),
         "tensor_parallel": engine.tp.status() if engine.tp is not None else None,
     }

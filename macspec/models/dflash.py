@@ -29,7 +29,7 @@ import numpy as np
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..errors import ModelLoadError
-from . import draft_vocab
+from . import draft_vocab, row_padding
 from .mtp import output_rows
 from .window_attention import fast_attention
 
@@ -218,7 +218,9 @@ class OutputHead:
 
     def draft(self, states: mx.array) -> mx.array:
         """Logits over the draft vocabulary (the target's whole one where there is none)."""
-        return self.view.logits(states) if self.ids is None else states @ self.rows.T
+        if self.ids is None:
+            return self.view.logits(states)
+        return row_padding.padded(states, lambda x: x @ self.rows.T)  # a Linear's product, routed alike
 
     def target(self, states: mx.array) -> mx.array:
         """Logits over the target's vocabulary, -inf outside the draft vocabulary."""

@@ -179,6 +179,11 @@ def measure(weights: list[mx.array], runs: list[tuple[int, int]], repeats: int =
     return {run: seconds * scale for run, seconds in best.items()}
 
 
+def status() -> dict:
+    """For /v1/status: the row counts run padded here, and at which count (none: all as given)."""
+    return {"on": _switch.on, "padded": {str(rows): to for rows, to in enumerate(_table or []) if to != rows}}
+
+
 def table() -> list[int]:
     """The table in use ([] for none yet, or none measured): what a step's cost depends on."""
     return list(_table or [])
