@@ -201,6 +201,31 @@ def test_a_method_whose_deeper_windows_lose_keeps_its_first_draft():
     assert policy.explain("m").startswith("capped at batch 1"), policy.explain("m")
 
 
+FOUR_ROW_COST = [0.0579, 0.0654, 0.0793, 0.0806]  # SmolLM2 with DFlash at four rows through serve, by window
+
+
+def test_deeper_windows_that_pay_less_than_the_first_draft_alone_are_capped_at_it():
+    """The plan expects 0.6 of every draft; the first lands every other step, a second one in
+    five of those. Windows of 4 beat plain (1.15x), but the first drafts alone pay 1.33x: the
+    guard holds the method at its first draft, probing deeper ever more rarely (before: 0.87x
+    k = 1; SmolLM2's DFlash at four clients through serve read 0.90-0.96x its k = 1)."""
+    policy = Policy(probe_min_steps=64, probe_max_steps=4096)
+    for window, seconds in enumerate(FOUR_ROW_COST, 1):
+        policy.costs.seed("" if window == 1 else "m", 4, window, seconds)
+    spent = tokens = 0.0
+    for step in range(1000):
+        rows = [PlanRow("m", 3, [0.6, 0.6, 0.6]) for _ in range(4)]
+        ks = policy.plan(rows)
+        committed = [1 + (k >= 1 and (step + i) % 2 == 0) + (k >= 2 and (step + i) % 10 == 0)
+                     for i, k in enumerate(ks)]
+        seconds = FOUR_ROW_COST[max(ks)]
+        policy.observe_step(rows, ks, seconds, committed)
+        spent, tokens = spent + seconds, tokens + sum(committed)
+    k1 = 4 * 1.5 / FOUR_ROW_COST[1]
+    assert tokens / spent >= 0.95 * k1, (tokens / spent / k1, policy.explain("m", 4))
+    assert policy.explain("m", 4).startswith("capped at batch 4"), policy.explain("m", 4)
+
+
 def test_a_first_trial_that_misses_does_not_lengthen_the_wait_before_a_probe():
     """A method's first steps at a batch size (a server's warm-up) miss and it is turned off: it
     is probed again after the shortest wait, and only probes that lose lengthen the next wait

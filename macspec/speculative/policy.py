@@ -9,7 +9,8 @@ Two measured promises bound it. A guard per (method, batch bucket) compares the 
 per second of that method's last drafting steps with what plain decoding costs now at each step's
 own row count (a bucket spans rows; a plain step priced when a step ran goes stale): trailing by
 more than GUARD_MARGIN, even one standard error of its tokens up, lowers the method there one rung
-(its first draft alone, where that would have paid, else off) until a probe, after `interval`
+(its first draft alone, where that would have paid, else off), as do deeper windows trailing what
+its first drafts alone would have paid on the same steps, until a probe, after `interval`
 steps (doubling while re-probes lose), measures it winning; a method the plan leaves idle that long
 is probed too, and nothing is off before a probe measured it. And each
 request keeps its pace: one behind plain decoding's pace by GUARD_MARGIN takes no window it
@@ -248,19 +249,23 @@ class Policy:
         measures a step it did not want). Losing where its first drafts alone would have paid
         (their hits at a window of 2's cost), the method keeps its first draft: SmolLM2's MTP at
         one client read 0.86x plain at windows of 3-4 on a hard stretch where they read 0.99x,
-        and off it lost the 1.2x k = 1 gave after. Else, or losing at k <= 1, it is off.
-        -> the speed-up it judged."""
-        speedup = self.speedup(guard)
-        losing = self._loses(guard, speedup)
+        and off it lost the 1.2x k = 1 gave after. Else, or losing at k <= 1, it is off. Its
+        deeper windows trailing its first drafts alone cap it too (a probe lifts the cap only where
+        they no longer do): SmolLM2's DFlash at four rows read 0.90-0.96x its k = 1 through serve,
+        its plan expecting more of the deeper drafts than they gave. -> the speed-up it judged."""
+        speedup, first = self.speedup(guard), self.speedup(guard, first=True)
+        losing = self._trails(guard, speedup, 1.0)
+        deeper_lose = bool(guard.k_max) and self._trails(guard, speedup, first)  # than its first drafts alone
         if ended_probe:
-            backoff = losing and guard.probes  # a first trial's loss is the warm-up's, not a re-probe's
+            capped = losing or (guard.k_max == 1 and deeper_lose)
+            backoff = capped and guard.probes  # a first trial's loss is the warm-up's, not a re-probe's
             guard.interval = min(2 * guard.interval, self.probe_steps[1]) if backoff else self.probe_steps[0]
             guard.probes += 1
-            if not losing:
+            if not capped:
                 guard.k_max = math.inf
             elif guard.k_max == 1:
                 guard.restart(probe=0)  # its first draft is judged on its own steps, not the probe's
-        elif losing and guard.k_max == math.inf and not self._loses(guard, self.speedup(guard, first=True)):
+        elif (losing or deeper_lose) and guard.k_max == math.inf and not self._trails(guard, first, 1.0):
             guard.k_max = 1
             guard.restart(probe=0)
         elif losing:
@@ -268,11 +273,11 @@ class Policy:
         return speedup
 
     @staticmethod
-    def _loses(guard: Guard, speedup: float | None) -> bool:
-        """Behind plain by the margin even one standard error up. A step commits 1 to k + 1
-        tokens, so 16 steps of a head worth 1.1x read ~0.95 often (~14 % error at one row); a
+    def _trails(guard: Guard, speedup: float | None, bar: float | None) -> bool:
+        """Behind `bar` (1.0: plain) by the margin even one standard error up. A step commits 1 to
+        k + 1 tokens, so 16 steps of a head worth 1.1x read ~0.95 often (~14 % error at one row); a
         proposer whose drafts never land commits 1 every step: no noise, stopped at once."""
-        return speedup is not None and speedup * (1.0 + guard.noise) < 1.0 - GUARD_MARGIN
+        return speedup is not None and bar is not None and speedup * (1.0 + guard.noise) < (1.0 - GUARD_MARGIN) * bar
 
     # ---- reporting ---------------------------------------------------------------------------
     def explain(self, method: str, rows: int = 1) -> str:
