@@ -277,7 +277,9 @@ class Policy:
         """Behind `bar` (1.0: plain) by the margin even one standard error up. A step commits 1 to
         k + 1 tokens, so 16 steps of a head worth 1.1x read ~0.95 often (~14 % error at one row); a
         proposer whose drafts never land commits 1 every step: no noise, stopped at once."""
-        return speedup is not None and bar is not None and speedup * (1.0 + guard.noise) < (1.0 - GUARD_MARGIN) * bar
+        if speedup is None or bar is None:
+            return False
+        return speedup * (1.0 + guard.noise) < (1.0 - GUARD_MARGIN) * bar
 
     # ---- reporting ---------------------------------------------------------------------------
     def explain(self, method: str, rows: int = 1) -> str:
