@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 PHASES = ("env", "lossless", "decode", "surface", "prefill", "overhead", "serve")
 NEEDS_S = {"env": 20, "lossless": 60, "decode": 60, "surface": 40, "prefill": 20, "overhead": 30,
            "serve": 90}  # least worth starting
-CAP_S = {"env": 90, "lossless": 150, "decode": 170, "surface": 110, "prefill": 90, "overhead": 150,
+CAP_S = {"env": 90, "lossless": 150, "decode": 170, "surface": 110, "prefill": 90, "overhead": 240,
          "serve": 330}  # no phase starves the rest
 NOMINAL_TBPS = {"H200": 4.8, "H100 80GB HBM3": 3.35, "H100 PCIe": 2.0, "H100 NVL": 3.9, "A100": 2.0}
 MAX_TOKENS = 40
@@ -317,15 +317,14 @@ def phase_prefill(args) -> dict:
 
 # ---- overhead -------------------------------------------------------------------------------
 def phase_overhead(args) -> dict:
-    import cProfile
-    import io
-    import pstats
-
     from benchmarks.common import bench_prompts
     from macspec.engine.launch import calibrated_engine
     from macspec.sampling import SamplingParams
 
     runtime = runtime_for("tiny")
+    out = {"queued": queued_forwards(runtime.target.model, 16 if args.smoke else 64)}
+    print("forward loop, synced vs queued:", out["queued"], flush=True)
+    save(args, "overhead", out)
     engine = calibrated_engine(runtime, max_batch=16)
     prompts = bench_prompts(runtime.tokenizer, 16, length=48)
     tokens = 24 if args.smoke else 64
@@ -344,22 +343,80 @@ def phase_overhead(args) -> dict:
             made += sum(len(d.tokens) for d in done)
         return made / (time.perf_counter() - t0)
 
-    out = {"tokens": tokens, "rows": {}, "profiles": {}}
+    out.update({"tokens": tokens, "rows": {}, "parts": {}, "profiles": {}})
     for batch in (1, 16):
         for label, method, k, adaptive in configs:
             run(batch, method, k, adaptive)  # the first pass learns costs and builds kernels
+            before = (dict(engine.stats.time_s), engine.stats.totals["steps"])
             out["rows"].setdefault(label, {})[f"B={batch}"] = round(run(batch, method, k, adaptive), 1)
-            print(batch, label, out["rows"][label][f"B={batch}"], flush=True)
+            out["parts"].setdefault(label, {})[f"B={batch}"] = step_parts(engine.stats, *before, len(prompts))
+            print(batch, label, out["rows"][label][f"B={batch}"], out["parts"][label][f"B={batch}"], flush=True)
             save(args, "overhead", out)
-    for label, method, k in (("plain", "none", 0), ("mtp k=0", "mtp", 0), ("mtp k=1", "mtp", 1)):
-        profile = cProfile.Profile()
-        profile.enable()
-        run(16, method, k, False)
-        profile.disable()
-        text = io.StringIO()
-        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
-        out["profiles"][label] = text.getvalue()[-6000:]
+    for label, batch, method, k, adaptive in (("plain", 16, "none", 0, False), ("dflash k=0", 16, "dflash", 0, False),
+                                              ("draft k=0", 1, "draft", 0, False), ("mtp adaptive", 16, "mtp", None, True),
+                                              ("eagle3 k=0", 16, "eagle3", 0, False)):
+        out["profiles"][f"{label}, B={batch}"] = profiled(lambda: run(batch, method, k, adaptive))
         save(args, "overhead", out)
+    return out
+
+
+def step_parts(stats, time_s: dict, steps: int, requests: int) -> dict:
+    """ms per decode step of each part (plan, build, sync, commit, close) since `time_s`, and
+    prefill ms per request (a proposer's start runs in it)."""
+    n = max(1, stats.totals["steps"] - steps)
+    parts = {p: round((v - time_s[p]) * 1e3 / n, 3) for p, v in stats.time_s.items() if p != "prefill"}
+    parts["prefill per request"] = round((stats.time_s["prefill"] - time_s["prefill"]) * 1e3 / requests, 2)
+    parts["steps"] = n
+    return parts
+
+
+def profiled(fn) -> str:
+    """cProfile of fn(): the top functions by own time, then by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    fn()
+    profile.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(22)
+    stats.sort_stats("cumulative").print_stats(40)
+    return text.getvalue()[-16000:]
+
+
+def queued_forwards(model, steps: int) -> dict:
+    """ms per token of a greedy forward loop that reads each token before building the next step
+    (the engine's shape) against one that queues step n + 1 before reading step n (mlx-lm's
+    mx.async_eval), at B = 1 and 16: what overlapping the host with the GPU would be worth."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    def step(y, cache):
+        return mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+
+    out = {}
+    for batch in (1, 16):
+        for mode in ("synced", "queued"):
+            cache, y = make_prompt_cache(model), mx.zeros((batch,), dtype=mx.int32)
+            step(y, cache)
+            t0 = time.perf_counter()
+            if mode == "synced":
+                for _ in range(steps):
+                    y = step(y, cache)
+                    y.tolist()
+            else:
+                y = step(y, cache)
+                mx.async_eval(y)
+                for _ in range(steps):
+                    after = step(y, cache)
+                    mx.async_eval(after)
+                    y.tolist()
+                    y = after
+                y.tolist()
+            out[f"B={batch} {mode} ms"] = round((time.perf_counter() - t0) * 1e3 / steps, 3)
     return out
 
 
@@ -452,6 +509,9 @@ def render(report: dict) -> str:
                   "| config | " + " | ".join(plain) + " |", "|---|" + "---|" * len(plain)]
         for label, row in over["rows"].items():
             lines.append(f"| {label} | " + " | ".join(f"{row[b]} ({row[b] / plain[b]:.2f}x)" for b in plain if b in row) + " |")
+        lines += ["", f"Forward loop, ms per token: {over.get('queued')}", ""]
+        for label, cells in over.get("parts", {}).items():
+            lines.append(f"- {label}: " + "; ".join(f"{b} {parts}" for b, parts in cells.items()))
         lines.append("")
     for target, table in report["phases"].get("serve", {}).items():
         if not isinstance(table, dict) or "macspec spec off" not in table:
