@@ -22,6 +22,7 @@ until --budget-s runs out:
 
     python benchmarks/gpu.py --out DIR [--phases env,lossless,decode,surface,prefill,overhead,serve]
         [--budget-s 480] [--serve-targets tiny,tiny-moe] [--serve-repeats 1]
+        [--overhead-methods draft,mtp] [--overhead-ks k=0,adaptive] [--overhead-profiles "draft adaptive@1"]
         [--smoke]   (tiny sizes: checks the script on a CPU in a few minutes)
 
 Writes DIR/report.md, DIR/report.json and DIR/log.txt (every phase's output), after each phase.
@@ -328,10 +329,10 @@ def phase_overhead(args) -> dict:
     engine = calibrated_engine(runtime, max_batch=16)
     prompts = bench_prompts(runtime.tokenizer, 16, length=48)
     tokens = 24 if args.smoke else 64
+    kinds = {"k=0": (0, False), "k=1": (1, False), "adaptive": (None, True)}
     configs = [("plain", "none", 0, False)]
-    for method in ("draft", "mtp", "eagle3", "dflash"):
-        configs += [(f"{method} k=0", method, 0, False), (f"{method} k=1", method, 1, False),
-                    (f"{method} adaptive", method, None, True)]
+    for method in args.overhead_methods.split(","):
+        configs += [(f"{method} {kind}", method, *kinds[kind]) for kind in args.overhead_ks.split(",")]
     configs.append(("plain again", "none", 0, False))
 
     def run(batch: int, method, k, adaptive) -> float:
@@ -348,16 +349,30 @@ def phase_overhead(args) -> dict:
         for label, method, k, adaptive in configs:
             run(batch, method, k, adaptive)  # the first pass learns costs and builds kernels
             before = (dict(engine.stats.time_s), engine.stats.totals["steps"])
+            drafted = speculated(engine, method)
             out["rows"].setdefault(label, {})[f"B={batch}"] = round(run(batch, method, k, adaptive), 1)
             out["parts"].setdefault(label, {})[f"B={batch}"] = step_parts(engine.stats, *before, len(prompts))
+            out["parts"][label][f"B={batch}"].update(
+                {key: value - drafted[key] for key, value in speculated(engine, method).items()})
+            if adaptive:  # what the policy measured and decided
+                out.setdefault("policy", {})[f"{label}, B={batch}"] = engine.speculator.policy.as_dict()
             print(batch, label, out["rows"][label][f"B={batch}"], out["parts"][label][f"B={batch}"], flush=True)
             save(args, "overhead", out)
-    for label, batch, method, k, adaptive in (("plain", 16, "none", 0, False), ("dflash k=0", 16, "dflash", 0, False),
-                                              ("draft k=0", 1, "draft", 0, False), ("mtp adaptive", 16, "mtp", None, True),
-                                              ("eagle3 k=0", 16, "eagle3", 0, False)):
+    by_label = {c[0]: c[1:] for c in configs}
+    for item in filter(None, args.overhead_profiles.split(",")):
+        label, batch = item.rsplit("@", 1)
+        if label not in by_label:
+            continue
+        method, k, adaptive, batch = *by_label[label], int(batch)
         out["profiles"][f"{label}, B={batch}"] = profiled(lambda: run(batch, method, k, adaptive))
         save(args, "overhead", out)
     return out
+
+
+def speculated(engine, method: str) -> dict:
+    """The method's drafted and accepted tokens so far (the engine's totals)."""
+    totals = engine.speculator.totals.get(method)
+    return {"drafted": getattr(totals, "num_drafted", 0), "accepted": getattr(totals, "num_accepted", 0)}
 
 
 def step_parts(stats, time_s: dict, steps: int, requests: int) -> dict:
@@ -546,7 +561,9 @@ def run_phases(args) -> None:
         left = min(left, CAP_S.get(phase, left) * (4 if args.smoke else 1))
         cmd = [sys.executable, str(Path(__file__).resolve()), "--phase", phase, "--out", str(out),
                "--work", str(args.work), "--big-hidden", str(args.big_hidden),
-               "--serve-targets", args.serve_targets, "--serve-repeats", str(args.serve_repeats)] + (["--smoke"] if args.smoke else [])
+               "--serve-targets", args.serve_targets, "--serve-repeats", str(args.serve_repeats),
+               "--overhead-methods", args.overhead_methods, "--overhead-ks", args.overhead_ks,
+               "--overhead-profiles", args.overhead_profiles] + (["--smoke"] if args.smoke else [])
         t0 = time.perf_counter()
         with log.open("a") as sink:
             sink.write(f"\n==== {phase} ====\n")
@@ -577,6 +594,10 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--serve-targets", default="", help="serve only these, e.g. tiny,tiny-moe")
     ap.add_argument("--serve-repeats", type=int, default=1)
+    ap.add_argument("--overhead-methods", default="draft,mtp,eagle3,dflash", help="phase overhead's proposers")
+    ap.add_argument("--overhead-ks", default="k=0,k=1,adaptive", help="phase overhead's configs per proposer")
+    ap.add_argument("--overhead-profiles", default="plain@16,dflash k=0@16,draft k=0@1,mtp adaptive@16,eagle3 k=0@16",
+                    help="phase overhead's configs profiled, label@B")
     ap.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)  # one phase, in this process
     ap.add_argument("--work", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -279,6 +279,8 @@ def test_the_step_cost_table_reads_unmeasured_cells_off_its_neighbours():
     assert costs.seconds("", 1, 9) == pytest.approx(0.020)  # flat beyond what was measured
     assert costs.seconds("", 2, 1) == pytest.approx(0.012)  # linear in rows between buckets
     assert costs.seconds("m", 1, 5) == pytest.approx(0.020)  # a chain never timed: the forward's
+    costs.observe("", 1, 1, 2.0)  # a GPU built kernels for this shape: not what the step costs
+    assert costs.seconds("", 1, 5) == pytest.approx(0.020)
     costs.observe("", 1, 1, 0.015)  # the first real step: its bucket's seeds lacked host work
     assert costs.seconds("", 1, 5) == pytest.approx(0.030)
     costs.observe("", 3, 2, 0.020)  # a draining batch meets 3 rows, and a window of 2 there

@@ -20,6 +20,12 @@ read linearly from the seeds at 2 and 5, W = 4 was priced 17 % high and adaptive
 by 5.5 % there, simulated), then linear in rows. A chain never timed costs what the forward
 alone does (so it gets tried).
 
+A step over ONE_OFF times what the table expects of its cell did one-off work, not the cell's:
+on a GPU a new shape's first step builds its kernels (on an H200 a window of 4 at one row read
+2,266 ms once where it costs ~5 ms; kept, and rescaling the seeds at one row by it, windows read
+~100x a plain step there). It is skipped, once per cell (a cell that costs that much is measured
+by its next step). On this CPU a first step reads at most ~2x what its neighbours predict.
+
 Cells are kept apart from the machine's load: how much slower than its cell each step ran,
 followed over LOAD_MEMORY steps and shared by every cell. A cell is read at today's load, so one
 not run while a neighbour slowed the machine reads slower too: before, only the cells a loaded
@@ -35,6 +41,7 @@ from dataclasses import dataclass
 
 COST_MEMORY = 16.0  # steps a cell averages over: a step's noise (±15 % here) averages out
 LOAD_MEMORY = 4.0  # steps the machine's load is followed over: a neighbour's burst lasts seconds
+ONE_OFF = 4.0  # a step this many times its cell's expected cost built kernels for a new shape
 
 
 def bucket(rows: int) -> int:
@@ -55,11 +62,15 @@ class StepCosts:
         self.cells: dict[tuple[str, int, int], Cell] = {}
         self.clock = 0  # steps observed
         self.load = 1.0  # how much slower than its cells every step runs now
+        self.one_off: set[tuple[str, int, int]] = set()  # cells that skipped a one-off step
 
     def observe(self, chain: str, rows: int, window: int, seconds: float) -> None:
         if not math.isfinite(seconds) or seconds <= 0:
             return  # a clock glitch must not poison the table
         self.clock += 1
+        if (chain, rows, window) not in self.one_off and seconds > ONE_OFF * self.seconds(chain, rows, window):
+            self.one_off.add((chain, rows, window))
+            return
         cell = self.cells.get((chain, rows, window))
         if cell is None or not cell.steps:
             if cell is not None:  # a seed's first real step: the other seeds at its row count
