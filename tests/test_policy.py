@@ -292,6 +292,14 @@ def test_the_step_cost_table_reads_unmeasured_cells_off_its_neighbours():
     assert costs.seconds("", 1, 1) == pytest.approx(0.015)
 
 
+def test_a_cell_that_really_costs_more_than_expected_is_measured_from_its_next_step():
+    costs = StepCosts()
+    costs.seed("", 1, 2, 0.010)
+    for _ in range(3):
+        costs.observe("", 1, 2, 0.080)  # 8x its seed: the first is skipped as one-off work
+    assert costs.seconds("", 1, 2) == pytest.approx(0.080)
+
+
 def test_a_load_that_slows_plain_steps_slows_the_windows_not_measured_meanwhile():
     """A neighbour slows every step while the plan decodes plainly: the windows it did not run
     meanwhile read slower too. Before, the cells the loaded steps met moved alone: a window of 2

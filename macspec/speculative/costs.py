@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 COST_MEMORY = 16.0  # steps a cell averages over: a step's noise (±15 % here) averages out
 LOAD_MEMORY = 4.0  # steps the machine's load is followed over: a neighbour's burst lasts seconds
-ONE_OFF = 4.0  # a step this many times its cell's expected cost built kernels for a new shape
+ONE_OFF = 4.0  # a step this many times its cell's expected cost did one-off work (a GPU's kernels)
 
 
 def bucket(rows: int) -> int:
