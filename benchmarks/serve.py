@@ -107,8 +107,12 @@ def step_figures(before: dict | None, after: dict | None) -> dict:
     row_steps = total(after, "target_forwards") - total(before, "target_forwards")
     drafted = total(after, "drafted") - total(before, "drafted")
     emitted = total(after, "emitted") - total(before, "emitted")
+    busy = {part: (after["time_ms"][part] - before["time_ms"][part]) / 1e3 for part in after["time_ms"]}
     return {"syncs_per_step": round(syncs / max(steps, 1), 2), "mean_k": round(drafted / max(row_steps, 1), 2),
-            "tokens_per_step": round(emitted / max(row_steps, 1), 2)}
+            "tokens_per_step": round(emitted / max(row_steps, 1), 2),
+            # the engine's own seconds (its warm-up request included): the wall clock less these is
+            # what serving cost outside the steps
+            "prefill_s": round(busy.pop("prefill", 0.0), 3), "decode_s": round(sum(busy.values()), 3)}
 
 
 async def scenario(url: str, concurrency: int, rounds: int, texts: list[str], extra: dict,
@@ -319,7 +323,8 @@ def main() -> None:
             for name, _ in variants:
                 table[name][c] = row = mean_row(table[name][c])
                 extra_text = (f"  {row['syncs_per_step']} syncs/step, mean k {row['mean_k']}, "
-                              f"{row['tokens_per_step']} tok/row-step" if "syncs_per_step" in row else "")
+                              f"{row['tokens_per_step']} tok/row-step, engine {row['decode_s']} s decode + "
+                              f"{row['prefill_s']} s prefill of {row['wall_s']} s" if "syncs_per_step" in row else "")
                 print(f"{name:22s} c={c:2d}  {row['tok_per_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50_ms']} ms "
                       f"p95 {row['ttft_p95_ms']} ms  errors {len(row['errors'])}{extra_text}", flush=True)
     if server:
