@@ -300,6 +300,26 @@ def test_a_cell_that_really_costs_more_than_expected_is_measured_from_its_next_s
     assert costs.seconds("", 1, 2) == pytest.approx(0.080)
 
 
+def test_a_one_off_step_turns_nothing_off_and_holds_no_request():
+    """On a GPU a new shape's first step builds its kernels: a window of 4 at one row read 2,266
+    ms once where it costs ~5 ms (H200). Judged, such steps put a request whose drafts all land
+    at 0.17x its plain pace, and behind it vetoed its own windows (drafting on 131 of its last 180
+    steps). They are no one's evidence: it drafts on."""
+    cost, policy = ONE_ROW_COST, one_row_policy()
+    built, drafted = set(), []
+    pace = Pace()
+    for step in range(200):
+        row = PlanRow("m", 4, [0.9] * 4, pace=pace)
+        k = policy.plan([row])[0]
+        first = k not in built
+        built.add(k)
+        policy.observe_step([row], [k], cost[k] * (400 if first else 1), [k + 1])  # every draft lands
+        drafted.append(k)
+    assert sum(k > 0 for k in drafted[20:]) >= 0.9 * len(drafted[20:]), drafted
+    assert policy.explain("m").startswith("on at batch 1"), policy.explain("m")
+    assert not pace.behind and pace.speedup > 2.0, pace
+
+
 def test_a_load_that_slows_plain_steps_slows_the_windows_not_measured_meanwhile():
     """A neighbour slows every step while the plan decodes plainly: the windows it did not run
     meanwhile read slower too. Before, the cells the loaded steps met moved alone: a window of 2

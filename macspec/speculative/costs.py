@@ -24,8 +24,10 @@ A step over ONE_OFF times what the table expects of its cell did one-off work, n
 on a GPU a new shape's first step builds its kernels (on an H200 a window of 4 at one row read
 2,266 ms once where it costs ~5 ms; kept, and rescaling the seeds at one row by it, windows read
 ~100x a plain step there). It is skipped, once per cell (a cell that costs that much is measured
-by its next step). On this CPU no step read over 2.8x what the table expected of its cell
-(benchmarks/step_ratios.py: tiny, tiny-moe and SmolLM2, adaptive at 1, 4 and 16 rows, 7,492 steps).
+by its next step), and it is no one's evidence: judged, such steps put a request whose drafts
+all landed at 0.17x its plain pace, and behind it vetoed its own windows (policy.py; simulated).
+On this CPU no step read over 2.8x what the table expected of its cell (benchmarks/step_ratios.py:
+tiny, tiny-moe and SmolLM2, adaptive at 1, 4 and 16 rows, 7,492 steps).
 
 Cells are kept apart from the machine's load: how much slower than its cell each step ran,
 followed over LOAD_MEMORY steps and shared by every cell. A cell is read at today's load, so one
@@ -65,23 +67,25 @@ class StepCosts:
         self.load = 1.0  # how much slower than its cells every step runs now
         self.one_off: set[tuple[str, int, int]] = set()  # cells that skipped a one-off step
 
-    def observe(self, chain: str, rows: int, window: int, seconds: float) -> None:
+    def observe(self, chain: str, rows: int, window: int, seconds: float) -> bool:
+        """Record a step; -> whether it is evidence (not a clock glitch, not one-off work)."""
         if not math.isfinite(seconds) or seconds <= 0:
-            return  # a clock glitch must not poison the table
+            return False  # a clock glitch must not poison the table
         self.clock += 1
         if (chain, rows, window) not in self.one_off and seconds > ONE_OFF * self.seconds(chain, rows, window):
             self.one_off.add((chain, rows, window))
-            return
+            return False
         cell = self.cells.get((chain, rows, window))
         if cell is None or not cell.steps:
             if cell is not None:  # a seed's first real step: the other seeds at its row count
                 self._rescale_seeds(rows, seconds / self.load / cell.seconds)  # lacked the same host work
             self.cells[(chain, rows, window)] = Cell(seconds / self.load, 1.0, self.clock)
-            return
+            return True
         self.load *= (seconds / (cell.seconds * self.load)) ** (1.0 / LOAD_MEMORY)
         cell.steps = min(cell.steps + 1.0, COST_MEMORY)
         cell.seconds += (seconds / self.load - cell.seconds) / cell.steps
         cell.last = self.clock
+        return True
 
     def seed(self, chain: str, rows: int, window: int, seconds: float) -> None:
         cell = self.cells.get((chain, rows, window))

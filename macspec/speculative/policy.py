@@ -200,9 +200,8 @@ class Policy:
     # ---- a step's measurement ----------------------------------------------------------------
     def observe_step(self, rows: list[PlanRow], ks: list[int], seconds: float, tokens: list[int]) -> None:
         """The step just run: `seconds` from plan to commit, `tokens` each row committed."""
-        if not math.isfinite(seconds) or seconds <= 0:
-            return  # a clock glitch must not poison the table
-        self.costs.observe(chain_of(rows, ks), len(rows), max(ks, default=0) + 1, seconds)
+        if not self.costs.observe(chain_of(rows, ks), len(rows), max(ks, default=0) + 1, seconds):
+            return  # a clock glitch, or one-off work (costs.py): no one's evidence
         plain_s = self.costs.seconds("", len(rows), 1)
         if self.costs.knows(""):  # else nothing to compare a request's steps with
             for row, k, committed in zip(rows, ks, tokens):
