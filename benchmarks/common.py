@@ -26,6 +26,17 @@ def bench_prompts(tokenizer, count: int, length: int = 96) -> list[list[int]]:
             for i in range(count)]
 
 
+def generate_in_batches(engine: Engine, prompts, batch: int, tokens: int, method: str, k: int | None,
+                        adaptive: bool) -> int:
+    """Every prompt, `batch` at a time, greedy, each answer `tokens` long; -> the tokens made."""
+    made = 0
+    for start in range(0, len(prompts), batch):
+        done = engine.generate(prompts[start:start + batch], SamplingParams(), tokens, num_draft=k,
+                               adaptive=adaptive, ignore_eos=True, method=method)
+        made += sum(len(d.tokens) for d in done)
+    return made
+
+
 def _runtimes(target: LoadedModel, draft: LoadedModel, head) -> dict[str, Runtime]:
     profile = load_profile("tiny")
     profile.kv.max_context = 4096

@@ -318,9 +318,8 @@ def phase_prefill(args) -> dict:
 
 # ---- overhead -------------------------------------------------------------------------------
 def phase_overhead(args) -> dict:
-    from benchmarks.common import bench_prompts
+    from benchmarks.common import bench_prompts, generate_in_batches
     from macspec.engine.launch import calibrated_engine
-    from macspec.sampling import SamplingParams
 
     runtime = runtime_for("tiny")
     out = {"queued": queued_forwards(runtime.target.model, 16 if args.smoke else 64)}
@@ -337,11 +336,8 @@ def phase_overhead(args) -> dict:
 
     def run(batch: int, method, k, adaptive) -> float:
         """tok/s over 16 prompts, `batch` at a time, every answer `tokens` long."""
-        t0, made = time.perf_counter(), 0
-        for start in range(0, len(prompts), batch):
-            done = engine.generate(prompts[start:start + batch], SamplingParams(), tokens, num_draft=k,
-                                   adaptive=adaptive, ignore_eos=True, method=method)
-            made += sum(len(d.tokens) for d in done)
+        t0 = time.perf_counter()
+        made = generate_in_batches(engine, prompts, batch, tokens, method, k, adaptive)
         return made / (time.perf_counter() - t0)
 
     out.update({"tokens": tokens, "rows": {}, "parts": {}, "profiles": {}})

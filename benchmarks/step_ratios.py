@@ -22,10 +22,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     args = ap.parse_args()
     import macspec  # noqa: F401  (BLAS before mlx)
-    from benchmarks.common import bench_prompts
+    from benchmarks.common import bench_prompts, generate_in_batches
     from benchmarks.gpu import runtime_for
     from macspec.engine.launch import calibrated_engine
-    from macspec.sampling import SamplingParams
     from macspec.speculative import costs
 
     seen, firsts, later = set(), [], []
@@ -43,9 +42,7 @@ def main() -> None:
     prompts = bench_prompts(runtime.tokenizer, 16, length=48)
     for method in args.methods.split(","):
         for batch in (1, 4, 16):
-            for start in range(0, len(prompts), batch):
-                engine.generate(prompts[start:start + batch], SamplingParams(), args.tokens, num_draft=None,
-                                adaptive=True, ignore_eos=True, method=method)
+            generate_in_batches(engine, prompts, batch, args.tokens, method, None, adaptive=True)
     for name, ratios in (("cells' first steps", firsts), ("later steps", later)):
         top = sorted(ratios, reverse=True)[:3]
         over = sum(r > costs.ONE_OFF for r, *_ in ratios)

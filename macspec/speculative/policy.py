@@ -30,9 +30,9 @@ logger = logging.getLogger(__name__)
 GUARD_MARGIN = 0.03  # speculation may trail plain by this much before it stops: noise, not loss
 PROBE_STEPS = 4  # speculative steps a probe measures (a first trial too), at the best window >= 2
 GUARD_MEMORY = 64  # steps a guard's comparison spans (a stretch of hard text is not a loss), and
-# how often plain decoding is re-measured while speculating (today's load, not the calibration's)
+# how often what the plan does not take is measured again: plain decoding while speculating (today's
+# load, not the calibration's) and, while drafting, the plan's runner-up (costs ~1/64 of a gap)
 DECAY = 1.0 - 1.0 / GUARD_MEMORY
-EXPLORE_STEPS = 32  # the plan's runner-up once in this many steps (costs at most ~1/32 of a gap)
 
 
 @dataclass
@@ -163,7 +163,7 @@ class Policy:
         self.held_by_pace += vetoed > (ranked[0][0] if ranked else 0.0)  # what the promise costs
         # Now and then, while drafting, the runner-up once: its cell and deeper drafts measured
         # again (a cell measured once, high by noise, or a position rejected once would stand).
-        explore = (len(ranked) > 1 and self.costs.clock % EXPLORE_STEPS == EXPLORE_STEPS - 1
+        explore = (len(ranked) > 1 and self.costs.clock % GUARD_MEMORY == GUARD_MEMORY - 1
                    and any(ranked[0][2]))  # plain's best: an idle method waits for its probe
         ks = ranked[1 if explore else 0][2] if ranked else fixed
         self._count_waits(rows, ks, guards)
