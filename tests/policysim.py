@@ -108,8 +108,9 @@ def run(table: str, rows: int, stream: Stream, k: int | None, steps: int = 400, 
     spent, total = 0.0, 0
     for step in range(steps):
         share_weight(estimates, finished, prior)
-        plan_rows = [PlanRow("sim", k_max, e.alphas(k_max), fixed=k is not None, pace=pace)
-                     for e, pace in zip(estimates, paces)]
+        plan_rows = [PlanRow("sim", k_max, e.alphas(k_max), fixed=k is not None, pace=pace,
+                             left=None if tokens is None else tokens - state.get("done", 0))
+                     for e, pace, state in zip(estimates, paces, states)]
         if k is not None:
             ks = [k] * rows
         else:
@@ -202,7 +203,7 @@ def burst(heads: list[str], tokens: int, k: int | None, seed: int = 0, k_max: in
         while live:
             share_weight([r["estimate"] for r in live], finished, prior)
             plan_rows = [PlanRow("sim", min(k_max, r["left"] - 1), r["estimate"].alphas(k_max),
-                                 fixed=k is not None, pace=r["pace"]) for r in live]
+                                 fixed=k is not None, pace=r["pace"], left=r["left"]) for r in live]
             ks = [min(k, row.k_max) for row in plan_rows] if k is not None else policy.plan(plan_rows)
             seconds = table[len(live)][max(ks)] / 1e3 * (1.0 + rng.uniform(-noise, noise))
             committed = [_verify(rng, r["head"], kk, r["estimate"], prior) for r, kk in zip(live, ks)]
@@ -236,7 +237,8 @@ def in_turn(table: str, heads: list[str], k: int | None, tokens: int = 128, requ
         estimate, pace, left, began = Acceptance(prior.measured(k_max)), Pace(), tokens, spent
         while left > 0:
             share_weight([estimate], finished, prior)
-            row = PlanRow("sim", min(k_max, left - 1), estimate.alphas(k_max), fixed=k is not None, pace=pace)
+            row = PlanRow("sim", min(k_max, left - 1), estimate.alphas(k_max), fixed=k is not None, pace=pace,
+                          left=left)
             ks = [min(k, row.k_max)] if k is not None else policy.plan([row])
             step = step_seconds(table, 1, max(ks) + 1) * (1.0 + rng.uniform(-noise, noise))
             committed = _verify(rng, HEADS[head], ks[0], estimate, prior)

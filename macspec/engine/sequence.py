@@ -99,10 +99,14 @@ class Sequence:
     def finished(self) -> bool:
         return self.stats.finish_reason is not None
 
+    @property
+    def left(self) -> int:
+        """Tokens it may still make (max_tokens less what it made)."""
+        return self.request.max_tokens - self.stats.generated_tokens
+
     def room(self, max_context: int) -> int:
         """Most drafts this step may carry without passing max_tokens or the context."""
-        left = self.request.max_tokens - self.stats.generated_tokens - 1
-        return max(0, min(left, max_context - len(self.committed)))
+        return max(0, min(self.left - 1, max_context - len(self.committed)))
 
     def keep_states(self, hidden: mx.array) -> None:
         """The target's states for the positions just committed (a proposer reads them)."""

@@ -131,10 +131,10 @@ class Speculator:
             row = ChainRow(seq.request.id, seq.context(), k, seq.rng)
             record.offer = self.guarded("propose", record.group.offer, row, record.alphas, drop=seq)
         if record.offer is None:
-            return PlanRow(record.method, 0, [], fixed=not record.adaptive, pace=record.pace)
+            return PlanRow(record.method, 0, [], fixed=not record.adaptive, pace=record.pace, left=seq.left)
         k = min(k, record.offer.k_max)
         return PlanRow(record.method, k, record.offer.alphas(record.alphas(record.offer.kind)),
-                       record.offer.chained, fixed=not record.adaptive, pace=record.pace)
+                       record.offer.chained, fixed=not record.adaptive, pace=record.pace, left=seq.left)
 
     def propose(self, seqs: list, ks: list[int]) -> list[Drafts | None]:
         """Each group drafts for all of its rows; a fault costs that group's rows their drafts."""
