@@ -14,7 +14,8 @@ its first drafts alone would have paid on the same steps, until a probe, after `
 steps (doubling while re-probes lose), measures it winning; a method the plan leaves idle that long
 is probed too, and nothing is off before a probe measured it. And each
 request keeps its pace: one behind plain decoding's pace by GUARD_MARGIN takes no window it
-expects to slow it further (a row that does not draft pays the batch's window all the same).
+expects to slow it further (a row that does not draft pays the batch's window all the same)
+while it is the batch's last, else none that slows it more than the batch gains a row.
 """
 
 from __future__ import annotations
