@@ -261,10 +261,35 @@ def held_while_loading(proc: subprocess.Popen, model, timeout: float = 120.0) ->
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
         try:
-            return os.open(model / "tokenizer.json", os.O_WRONLY | os.O_NONBLOCK)
+            writer = os.open(model / "tokenizer.json", os.O_WRONLY | os.O_NONBLOCK)
         except OSError:  # ENXIO: nobody is reading it yet
             time.sleep(0.05)
+            continue
+        wait_blocked_in_read(proc.pid, deadline)
+        return writer
     raise AssertionError("the server never started loading the model")
+
+
+def wait_blocked_in_read(pid: int, deadline: float) -> None:
+    """Until a process of `pid`'s tree sleeps in the FIFO's read. A signal that lands after the
+    open but before the read starts is only noted, and the read then blocks through it (1 run in
+    8 on a loaded machine); Linux says where a process sleeps, elsewhere this returns at once."""
+    if not os.path.exists(f"/proc/{pid}/wchan"):
+        return
+    while time.monotonic() < deadline:
+        tree = [pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))]
+        if any(reading_a_pipe(member) for member in tree):
+            return
+        time.sleep(0.02)
+
+
+def reading_a_pipe(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            place = f.read()
+    except OSError:
+        return False
+    return "pipe_read" in place or place == "pipe_wait"  # the name differs between kernels
 
 
 def sigint_as_in_a_terminal() -> None:
