@@ -177,7 +177,7 @@ class Policy:
 
     def _slows_a_lagging_row(self, rows: list[PlanRow], ks: list[int]) -> bool:
         """Whether a request behind its pace expects fewer tokens from this step than plain
-        decoding would commit for it in the same seconds, and either is the batch's tail (the most
+        decoding would commit for it in the same seconds, and either is the batch's last (the most
         tokens left: a burst ends with its last request, so its lost second is everyone's) or
         loses a larger share of its step than the batch's rows gain on average (its loss counts
         once per row). Else one such request among 16 held every row's window for ~20 steps at a
