@@ -182,6 +182,8 @@ class Policy:
         loses a larger share of its step than the batch's rows gain on average (its loss counts
         once per row). Else one such request among 16 held every row's window for ~20 steps at a
         time: tiny-wide through serve, 0.91x k = 1 (prompts that differ; simulated, 0.93x)."""
+        if not any(row.pace is not None and row.pace.behind for row in rows):
+            return False  # the common case, asked once per candidate window: nothing to price
         plain_s = self.costs.seconds("", len(rows), 1)
         step_s = self.costs.seconds(chain_of(rows, ks), len(rows), max(ks) + 1)
         gains = [expected_tokens(row.alphas, k) * plain_s - step_s for row, k in zip(rows, ks)]
