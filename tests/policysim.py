@@ -8,6 +8,7 @@ with plain decoding and with every fixed k on the same streams.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -109,7 +110,7 @@ def run(table: str, rows: int, stream: Stream, k: int | None, steps: int = 400, 
     for step in range(steps):
         share_weight(estimates, finished, prior)
         plan_rows = [PlanRow("sim", k_max, e.alphas(k_max), fixed=k is not None, pace=pace,
-                             left=None if tokens is None else tokens - state.get("done", 0))
+                             left=math.inf if tokens is None else tokens - state.get("done", 0))
                      for e, pace, state in zip(estimates, paces, states)]
         if k is not None:
             ks = [k] * rows

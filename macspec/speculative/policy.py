@@ -46,7 +46,7 @@ class PlanRow:
     chained: bool = True  # drafting runs its method's chain (a lookup's drafts do not)
     fixed: bool = False  # a fixed-k request: k = k_max whatever the plan
     pace: Pace | None = None  # its request's pace (None: not kept)
-    left: int | None = None  # tokens its request may still make (None: unknown, as if the most)
+    left: float = math.inf  # tokens its request may still make (unknown: as if the most)
 
 
 @dataclass
@@ -190,8 +190,8 @@ class Policy:
         losing = [row.pace is not None and row.pace.behind and g < 0 for row, g in zip(rows, gains)]
         if not any(losing):
             return False
-        last = max(_left(row) for row in rows)
-        if any(lose and _left(row) >= last for row, lose in zip(rows, losing)):
+        last = max(row.left for row in rows)
+        if any(lose and row.left >= last for row, lose in zip(rows, losing)):
             return True
         return sum(g * (len(rows) if lose else 1) for g, lose in zip(gains, losing)) < 0
 
@@ -315,10 +315,6 @@ class Policy:
                 "state": g.state, "speedup": round(speedup, 3) if speedup else None,
                 "probe_interval": g.interval}
         return {"step_ms": self.costs.as_dict(), "guards": guards, "steps_held_by_pace": self.held_by_pace}
-
-
-def _left(row: PlanRow) -> float:
-    return math.inf if row.left is None else row.left
 
 
 def chain_of(rows: list[PlanRow], ks: list[int]) -> str:
