@@ -182,12 +182,13 @@ class Policy:
         loses a larger share of its step than the batch's rows gain on average (its loss counts
         once per row). Else one such request among 16 held every row's window for ~20 steps at a
         time: tiny-wide through serve, 0.91x k = 1 (prompts that differ; simulated, 0.93x)."""
-        if not any(row.pace is not None and row.pace.behind for row in rows):
+        behind = [row.pace is not None and row.pace.behind for row in rows]
+        if not any(behind):
             return False  # the common case, asked once per candidate window: nothing to price
         plain_s = self.costs.seconds("", len(rows), 1)
         step_s = self.costs.seconds(chain_of(rows, ks), len(rows), max(ks) + 1)
         gains = [expected_tokens(row.alphas, k) * plain_s - step_s for row, k in zip(rows, ks)]
-        losing = [row.pace is not None and row.pace.behind and g < 0 for row, g in zip(rows, gains)]
+        losing = [late and g < 0 for late, g in zip(behind, gains)]
         if not any(losing):
             return False
         last = max(row.left for row in rows)
