@@ -112,7 +112,9 @@ def step_figures(before: dict | None, after: dict | None) -> dict:
             "tokens_per_step": round(emitted / max(row_steps, 1), 2),
             # the engine's own seconds (its warm-up request included): the wall clock less these is
             # what serving cost outside the steps
-            "prefill_s": round(busy.pop("prefill", 0.0), 3), "decode_s": round(sum(busy.values()), 3)}
+            "prefill_s": round(busy.pop("prefill", 0.0), 3), "decode_s": round(sum(busy.values()), 3),
+            # of decode_s, proposers taking rows on and catching them up (timed apart from the steps)
+            "catch_up_s": round(after.get("catch_up_s", 0.0) - before.get("catch_up_s", 0.0), 3)}
 
 
 async def scenario(url: str, concurrency: int, rounds: int, texts: list[str], extra: dict,
@@ -323,7 +325,7 @@ def main() -> None:
             for name, _ in variants:
                 table[name][c] = row = mean_row(table[name][c])
                 extra_text = (f"  {row['syncs_per_step']} syncs/step, mean k {row['mean_k']}, "
-                              f"{row['tokens_per_step']} tok/row-step, engine {row['decode_s']} s decode + "
+                              f"{row['tokens_per_step']} tok/row-step, engine {row['decode_s']} s decode ({row['catch_up_s']} catch-up) + "
                               f"{row['prefill_s']} s prefill of {row['wall_s']} s" if "syncs_per_step" in row else "")
                 print(f"{name:22s} c={c:2d}  {row['tok_per_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50_ms']} ms "
                       f"p95 {row['ttft_p95_ms']} ms  errors {len(row['errors'])}{extra_text}", flush=True)

@@ -344,6 +344,24 @@ def test_a_load_that_slows_plain_steps_slows_the_windows_not_measured_meanwhile(
     assert costs.seconds("m", 3, 2) / costs.seconds("", 3, 1) == pytest.approx(0.087 / 0.062, rel=0.05)
 
 
+def test_a_window_run_in_stretches_is_measured_at_its_own_cost_not_its_first_step():
+    """A window's first step read 15 % fast (a step's noise here), then it ran in stretches at
+    its real cost, plain steps between them. Each stretch was read as the machine's load, the
+    cell kept its first step's cost, and the guard its gain: SmolLM2 at 16 rows through serve,
+    its MTP head's window of 2 read 1.34x a plain step where the runs' decode seconds put it
+    at ~1.55x, and the head measured 1.12x plain where k = 1 read 0.93x."""
+    costs = StepCosts()
+    for _ in range(16):
+        costs.observe("", 16, 1, 0.150)
+    costs.observe("m", 16, 2, 0.180)
+    for _ in range(4):
+        for _ in range(12):
+            costs.observe("m", 16, 2, 0.210)
+        for _ in range(4):
+            costs.observe("", 16, 1, 0.150)
+    assert costs.seconds("m", 16, 2) / costs.seconds("", 16, 1) == pytest.approx(1.4, rel=0.03)
+
+
 @pytest.mark.parametrize("table,rows,head,shape", [("tiny-wide", 1, "good", "stretches"),
                                                    ("tiny-moe", 4, "weak", "steady")])
 def test_never_slower_and_near_the_best_fixed_k_while_a_neighbour_loads_the_machine(table, rows, head, shape):

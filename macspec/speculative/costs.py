@@ -34,7 +34,10 @@ followed over LOAD_MEMORY steps and shared by every cell. A cell is read at toda
 not run while a neighbour slowed the machine reads slower too: before, only the cells a loaded
 step met moved, and a window of 2 measured earlier read 1.30-1.37x a plain step where it cost
 1.4x (EAGLE-3 then drafted at 0.30-0.38 acceptance; SmolLM2, tools at four clients through
-serve, traced).
+serve, traced). Only a cell measured COST_MEMORY times moves the load: a young cell off by its
+first steps' noise read its stretches as the machine's load and kept its error (a window of 2
+whose first step read 15 % fast stayed 3-6 % cheap, and the guard read its steps so; SmolLM2's
+MTP head at 16 rows was judged 1.12x plain through serve where k = 1 read 0.93x).
 """
 
 from __future__ import annotations
@@ -81,7 +84,8 @@ class StepCosts:
                 self._rescale_seeds(rows, seconds / self.load / cell.seconds)  # lacked the same host work
             self.cells[(chain, rows, window)] = Cell(seconds / self.load, 1.0, self.clock)
             return True
-        self.load *= (seconds / (cell.seconds * self.load)) ** (1.0 / LOAD_MEMORY)
+        if cell.steps >= COST_MEMORY:  # the load is read off cells measured well (see above)
+            self.load *= (seconds / (cell.seconds * self.load)) ** (1.0 / LOAD_MEMORY)
         cell.steps = min(cell.steps + 1.0, COST_MEMORY)
         cell.seconds += (seconds / self.load - cell.seconds) / cell.steps
         cell.last = self.clock

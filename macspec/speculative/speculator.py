@@ -68,6 +68,7 @@ class Speculator:
         self.faults = SpecFaults()
         self.step_rows: list[PlanRow] = []  # the last plan's view of its rows
         self.start_s = 0.0  # this step's first-proposal prefills (base.start_rows), seconds
+        self.catch_up_s = 0.0  # all of them so far: speculation's cost outside the step table
         # method -> seeds its chain's step costs (set by calibration; None: not calibrated).
         self.calibrate_chain: Callable[[str], None] | None = None
 
@@ -148,6 +149,7 @@ class Speculator:
             started = time.perf_counter()
             self.guarded("proposer_start", group.start_rows, chain, drop=method)
             self.start_s += time.perf_counter() - started
+            self.catch_up_s += time.perf_counter() - started
             if self.groups.get(method) is not group:  # it faulted taking rows on: dropped
                 continue
             drafts = self.guarded("propose", self._checked_drafts, group, chain, drop=method)
@@ -285,6 +287,7 @@ class Speculator:
             "speculation_faults": self.faults.as_dict(),
             "acceptance_priors": acceptance,
             "policy": self.policy.as_dict(),
+            "catch_up_s": round(self.catch_up_s, 3),
             "proposers": {m: st for m, g in self.groups.items() if (st := g.status())},
         }
 
