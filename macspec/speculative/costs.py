@@ -36,8 +36,8 @@ step met moved, and a window of 2 measured earlier read 1.30-1.37x a plain step 
 1.4x (EAGLE-3 then drafted at 0.30-0.38 acceptance; SmolLM2, tools at four clients through
 serve, traced). Only a cell measured COST_MEMORY times moves the load: a young cell off by its
 first steps' noise read its stretches as the machine's load and kept its error (a window of 2
-whose first step read 15 % fast stayed 3-6 % cheap, and the guard read its steps so; SmolLM2's
-MTP head at 16 rows was judged 1.12x plain through serve where k = 1 read 0.93x).
+costing 1.40x a plain step whose first step read 15 % fast was read at 1.32-1.36x through
+stretches of 4-63 steps, by the table and by the guard; tests/test_policy.py).
 """
 
 from __future__ import annotations

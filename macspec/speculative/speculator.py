@@ -148,8 +148,9 @@ class Speculator:
                      for i, s in members]
             started = time.perf_counter()
             self.guarded("proposer_start", group.start_rows, chain, drop=method)
-            self.start_s += time.perf_counter() - started
-            self.catch_up_s += time.perf_counter() - started
+            spent = time.perf_counter() - started
+            self.start_s += spent
+            self.catch_up_s += spent
             if self.groups.get(method) is not group:  # it faulted taking rows on: dropped
                 continue
             drafts = self.guarded("propose", self._checked_drafts, group, chain, drop=method)
