@@ -53,22 +53,20 @@ def prompt_ids(profile_name: str, tokenizer, count: int) -> list[list[int]]:
 
 
 class StepLog:
-    """Every decode step the speculator reports: (variant, rows, window, seconds, tokens), and the
-    catch-up seconds timed apart from the steps."""
+    """Every decode step the policy observes: (variant, rows, window, seconds, tokens), its seconds
+    already less the catch-up the speculator timed apart (Speculator.observe_step)."""
 
-    def __init__(self, speculator_cls):
+    def __init__(self, policy_cls):
         self.variant = "warm-up"
         self.steps: list[tuple[str, int, int, float, int]] = []
-        self.catch_up_s: dict[str, float] = defaultdict(float)
-        observe = speculator_cls.observe_step
+        observe = policy_cls.observe_step
         log = self
 
-        def observed(speculator, ks, seconds, tokens):
-            log.catch_up_s[log.variant] += speculator.start_s
-            log.steps.append((log.variant, len(ks), max(ks, default=0) + 1, seconds - speculator.start_s, sum(tokens)))
-            return observe(speculator, ks, seconds, tokens)
+        def observed(policy, rows, ks, seconds, tokens):
+            log.steps.append((log.variant, len(ks), max(ks, default=0) + 1, seconds, sum(tokens)))
+            return observe(policy, rows, ks, seconds, tokens)
 
-        speculator_cls.observe_step = observed
+        policy_cls.observe_step = observed
 
 
 def by_window(steps, variant: str, rows: int) -> dict[int, tuple[int, float, float]]:
@@ -95,9 +93,9 @@ def main() -> None:
     import macspec  # noqa: F401  (BLAS before mlx)
     from benchmarks.common import generate_in_batches
     from macspec.engine.launch import calibrated_engine
-    from macspec.speculative.speculator import Speculator
+    from macspec.speculative.policy import Policy
 
-    log = StepLog(Speculator)
+    log = StepLog(Policy)
     runtime = load_runtime(args.profile, args.method, args.draft)
     engine = calibrated_engine(runtime, max_batch=args.batch)
     prompts = prompt_ids(args.profile, runtime.tokenizer, args.prompts)
@@ -107,13 +105,15 @@ def main() -> None:
         generate_in_batches(engine, prompts[:args.batch], args.batch, 16, method, k, adaptive)
     log.steps.clear()
     rates: dict[str, list[float]] = defaultdict(list)
+    catch_up_s: dict[str, float] = defaultdict(float)  # /v1/status's catch_up_s, per variant
     for repeat in range(args.repeats):
         shift = repeat % len(variants)  # rotated: no variant always runs next to the same one
         for name, method, k, adaptive in variants[shift:] + variants[:shift]:
             log.variant = name
-            started = time.perf_counter()
+            started, caught_up = time.perf_counter(), engine.speculator.catch_up_s
             made = generate_in_batches(engine, prompts, args.batch, args.tokens, method, k, adaptive)
             rates[name].append(made / (time.perf_counter() - started))
+            catch_up_s[name] += engine.speculator.catch_up_s - caught_up
     plain = by_window(log.steps, "spec off", args.batch).get(1)
     print(f"{args.profile}, {args.method}{' (random draft)' if args.draft == 'random' else ''}: "
           f"{args.prompts} prompts {args.batch} at a time, {args.tokens} tokens each, {args.repeats} repeats")
@@ -125,11 +125,12 @@ def main() -> None:
         error = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else 0.0
         cells = by_window(log.steps, name, args.batch)
         text = "; ".join(f"W{w}: {n}, {1e3 * s:.1f}, {t:.2f}" for w, (n, s, t) in cells.items())
-        steps = sum(n for n, _, _ in cells.values())
-        rate = sum(n * t for n, _, t in cells.values()) / sum(n * s for n, s, _ in cells.values())
-        by_steps = f"{rate * plain[1]:.3f}" if plain and steps else "-"
+        by_steps = "-"
+        if plain and cells:  # tokens a row per second of its steps, against spec off's plain steps
+            rate = sum(n * t for n, _, t in cells.values()) / sum(n * s for n, s, _ in cells.values())
+            by_steps = f"{rate * plain[1]:.3f}"
         print(f"| {name} | {statistics.mean(rates[name]):.1f} | {statistics.mean(ratios):.3f} ±{error:.3f} "
-              f"| {text} | {by_steps} | {log.catch_up_s[name]:.2f} |")
+              f"| {text} | {by_steps} | {catch_up_s[name]:.2f} |")
     policy = engine.speculator.policy.as_dict()
     print(f"guards: {policy['guards']}; steps held by the pace: {policy['steps_held_by_pace']}")
 
