@@ -133,6 +133,10 @@ def main() -> None:
               f"| {text} | {by_steps} | {catch_up_s[name]:.2f} |")
     policy = engine.speculator.policy.as_dict()
     print(f"guards: {policy['guards']}; steps held by the pace: {policy['steps_held_by_pace']}")
+    # The table's cells at the full batch beside the steps' own means: a guard reads its steps
+    # through these (at the table's load), so a cell off from its steps misjudges them.
+    print(f"step table at {args.batch} rows (ms by window): " + "; ".join(
+        f"{chain}: {cells[str(args.batch)]}" for chain, cells in policy["step_ms"].items() if str(args.batch) in cells))
 
 
 if __name__ == "__main__":
