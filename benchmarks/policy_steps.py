@@ -17,6 +17,8 @@ catching proposers up apart from the steps (take-ons and backlogs: base.start_ro
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
 import statistics
 import sys
 import tempfile
@@ -37,7 +39,8 @@ def load_runtime(profile_name: str, method: str, draft: str):
     from macspec.models.loader import resolve_path
     from macspec.servebench.launch import float32_copy, random_weights_copy
 
-    work = Path(tempfile.mkdtemp())
+    work = Path(tempfile.mkdtemp(prefix="policy-steps-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # the copies live as long as the run
     path = random_weights_copy(float32_copy(resolve_path("embedded:tiny-draft"), work / "draft"), work / "random", seed=0)
     profile = load_profile(profile_name)
     profile.override("speculative.method", "draft", "policy_steps")
@@ -136,7 +139,7 @@ def main() -> None:
     # The table's cells at the full batch beside the steps' own means: a guard reads its steps
     # through these (at the table's load), so a cell off from its steps misjudges them.
     print(f"step table at {args.batch} rows (ms by window): " + "; ".join(
-        f"{chain}: {cells[str(args.batch)]}" for chain, cells in policy["step_ms"].items() if str(args.batch) in cells))
+        f"{chain}: {by_rows[str(args.batch)]}" for chain, by_rows in policy["step_ms"].items() if str(args.batch) in by_rows))
 
 
 if __name__ == "__main__":
