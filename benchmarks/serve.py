@@ -11,7 +11,8 @@ OpenBLAS preloaded (mlx_lm.server is started through `import macspec`). --target
 the real SmolLM2-135M-Instruct with its trained MTP head (chat prompts; mlx_lm.server plain only,
 since it cannot use an MTP head); --target tiny-wide is the bandwidth-bound stand-in (built:tiny-wide, ~206M float32); --draft random swaps the
 distilled draft for one with random weights (a useless proposer: speculation must not cost).
-macspec's rows also report host syncs per decode step and the mean k from /v1/status.
+macspec's rows also report host syncs per decode step and the mean k from /v1/status, and
+below each its steps over the repeats by row range and window (/v1/status steps_by_window).
 
   python benchmarks/serve.py [--target tiny|tiny-wide|tiny-moe|smollm2] [--draft distilled|random]
       [--temperature 0] [--quick] [--concurrency 1,4,8,16] [--max-tokens 64] [--json-out F]
@@ -114,7 +115,48 @@ def step_figures(before: dict | None, after: dict | None) -> dict:
             # what serving cost outside the steps
             "prefill_s": round(busy.pop("prefill", 0.0), 3), "decode_s": round(sum(busy.values()), 3),
             # of decode_s, proposers taking rows on and catching them up (timed apart from the steps)
-            "catch_up_s": round(after.get("catch_up_s", 0.0) - before.get("catch_up_s", 0.0), 3)}
+            "catch_up_s": round(after.get("catch_up_s", 0.0) - before.get("catch_up_s", 0.0), 3),
+            "windows": window_mix(before["steps_by_window"], after["steps_by_window"])}
+
+
+def window_mix(before: dict, after: dict) -> dict[str, list[float]]:
+    """The scenario's steps by (rows, window): "16 2" -> [steps, seconds, tokens committed].
+    Where adaptive and a fixed k part ways at a batch size, this shows it (issue 38's 16 rows)."""
+    mix: dict[str, list[float]] = {}
+    for rows, cells in after.items():
+        for window, cell in cells.items():
+            was = before.get(rows, {}).get(window, {"steps": 0, "seconds": 0.0, "tokens": 0})
+            if cell["steps"] > was["steps"]:
+                mix[f"{rows} {window}"] = [cell[key] - was[key] for key in ("steps", "seconds", "tokens")]
+    return mix
+
+
+ROW_RANGES = [(1, 1), (2, 3), (4, 4), (5, 8), (9, 16), (17, 1 << 30)]
+
+
+def window_line(mix: dict[str, list[float]]) -> str:
+    """Per row range: each window's steps, their seconds ÷ what plain steps at the same row counts
+    took (ms where none ran) and the tokens they committed a row."""
+    plain = {int(k.split()[0]): v[1] / v[0] for k, v in mix.items() if k.endswith(" 1")}
+    spans: dict[tuple[int, int], dict[int, list[float]]] = {}
+    for key, (steps, seconds, tokens) in mix.items():
+        rows, window = map(int, key.split())
+        span = next(r for r in ROW_RANGES if rows <= r[1])
+        # steps, seconds, tokens, row-steps; where plain steps ran at its row count, its seconds
+        # and theirs for as many steps
+        cell = spans.setdefault(span, {}).setdefault(window, [0, 0.0, 0, 0, 0.0, 0.0])
+        priced = rows in plain
+        for i, value in enumerate((steps, seconds, tokens, steps * rows, seconds * priced,
+                                   steps * plain.get(rows, 0.0))):
+            cell[i] += value
+    parts = []
+    for (lo, hi), windows in sorted(spans.items()):
+        cells = []
+        for window, (steps, seconds, tokens, row_steps, priced_s, plain_s) in sorted(windows.items()):
+            cost = f"{priced_s / plain_s:.2f}x" if window > 1 and plain_s else f"{seconds / steps * 1e3:.0f} ms"
+            cells.append(f"W{window} {steps} x {cost} {tokens / row_steps:.2f} tok/row")
+        parts.append(f"{lo if lo == hi else f'{lo}-{hi}'} rows: " + ", ".join(cells))
+    return "; ".join(parts)
 
 
 async def scenario(url: str, concurrency: int, rounds: int, texts: list[str], extra: dict,
@@ -192,6 +234,11 @@ def mean_row(rows: list[dict]) -> dict:
     row["answers"] = [a for r in rows for a in r["answers"]]
     row["tok_per_s_all"] = [r["tok_per_s"] for r in rows]
     row["tok_per_s"] = round(statistics.mean(row["tok_per_s_all"]), 1)
+    if "windows" in row:  # summed over the repeats
+        row["windows"] = {}
+        for r in rows:
+            for key, cell in r["windows"].items():
+                row["windows"][key] = [a + b for a, b in zip(row["windows"].get(key, [0] * 3), cell)]
     return row
 
 
@@ -329,6 +376,8 @@ def main() -> None:
                               f"{row['prefill_s']} s prefill of {row['wall_s']} s" if "syncs_per_step" in row else "")
                 print(f"{name:22s} c={c:2d}  {row['tok_per_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50_ms']} ms "
                       f"p95 {row['ttft_p95_ms']} ms  errors {len(row['errors'])}{extra_text}", flush=True)
+                if row.get("windows"):
+                    print(f"{'':22s}   steps (all repeats): {window_line(row['windows'])}", flush=True)
     if server:
         server.stop()
     print(f"\nBLAS {blas_info().name}; target {args.target}, {args.draft} draft; {args.rounds} request(s) "

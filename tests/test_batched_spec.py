@@ -60,7 +60,12 @@ def test_one_host_sync_per_decode_step(prompts, method):
     assert all(c.error is None and len(c.tokens) == 32 for c in out)
     steps = engine.stats.totals["steps"] - before_steps
     assert steps > 0 and engine.stats.host_syncs - before_syncs == steps
-    assert engine.status()["host_syncs_per_step"] == 1.0
+    status = engine.status()
+    assert status["host_syncs_per_step"] == 1.0
+    # /v1/status's step mix: every step at its row count and window, with what it committed
+    cells = [(int(w), c) for by_window in status["steps_by_window"].values() for w, c in by_window.items()]
+    assert sum(c["steps"] for _, c in cells) == engine.stats.totals["steps"]
+    assert max(w for w, _ in cells) <= 4 and sum(c["tokens"] for _, c in cells) >= 4 * 31
 
 
 def test_a_new_request_starts_from_the_methods_prior(tmp_path, prompts):

@@ -190,7 +190,7 @@ class Engine(BlockingAPI):
         for index in reversed(range(len(seqs))):
             if seqs[index].finished:
                 self._close(self.scheduler.remove_row(index))
-        self.stats.step_done(len(seqs), marks + [time.perf_counter()])
+        self.stats.step_done(len(seqs), max(ks) + 1, sum(committed), marks + [time.perf_counter()])
 
     def _commit_step(self, seqs: list[Sequence], ks: list[int], read: list[list[int]], hidden: mx.array,
                      reports: dict[int, mx.array]) -> int:
