@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from macspec.servebench.launch import LaunchedServer, float32_copy, free_port  # noqa: E402
 from macspec.servebench.prompts import CODE  # noqa: E402
 from macspec.servebench.report import spread  # noqa: E402
+from macspec.servebench.steps import merge, window_line, window_mix  # noqa: E402
 
 
 def prompts(count: int) -> list[str]:
@@ -119,46 +120,6 @@ def step_figures(before: dict | None, after: dict | None) -> dict:
             "windows": window_mix(before["steps_by_window"], after["steps_by_window"])}
 
 
-def window_mix(before: dict, after: dict) -> dict[str, list[float]]:
-    """The scenario's steps by (rows, window): "16 2" -> [steps, seconds, tokens committed].
-    Where adaptive and a fixed k part ways at a batch size, this shows it (issue 38's 16 rows)."""
-    mix: dict[str, list[float]] = {}
-    for rows, cells in after.items():
-        for window, cell in cells.items():
-            was = before.get(rows, {}).get(window, {"steps": 0, "seconds": 0.0, "tokens": 0})
-            if cell["steps"] > was["steps"]:
-                mix[f"{rows} {window}"] = [cell[key] - was[key] for key in ("steps", "seconds", "tokens")]
-    return mix
-
-
-ROW_RANGES = [(1, 1), (2, 3), (4, 4), (5, 8), (9, 16), (17, 1 << 30)]
-
-
-def window_line(mix: dict[str, list[float]]) -> str:
-    """Per row range: each window's steps, their seconds ÷ what plain steps at the same row counts
-    took (ms where none ran) and the tokens they committed a row."""
-    plain = {int(k.split()[0]): v[1] / v[0] for k, v in mix.items() if k.endswith(" 1")}
-    spans: dict[tuple[int, int], dict[int, list[float]]] = {}
-    for key, (steps, seconds, tokens) in mix.items():
-        rows, window = map(int, key.split())
-        span = next(r for r in ROW_RANGES if rows <= r[1])
-        # steps, seconds, tokens, row-steps; where plain steps ran at its row count, its seconds
-        # and theirs for as many steps
-        cell = spans.setdefault(span, {}).setdefault(window, [0, 0.0, 0, 0, 0.0, 0.0])
-        priced = rows in plain
-        for i, value in enumerate((steps, seconds, tokens, steps * rows, seconds * priced,
-                                   steps * plain.get(rows, 0.0))):
-            cell[i] += value
-    parts = []
-    for (lo, hi), windows in sorted(spans.items()):
-        cells = []
-        for window, (steps, seconds, tokens, row_steps, priced_s, plain_s) in sorted(windows.items()):
-            cost = f"{priced_s / plain_s:.2f}x" if window > 1 and plain_s else f"{seconds / steps * 1e3:.0f} ms"
-            cells.append(f"W{window} {steps} x {cost} {tokens / row_steps:.2f} tok/row")
-        parts.append(f"{lo if lo == hi else f'{lo}-{hi}'} rows: " + ", ".join(cells))
-    return "; ".join(parts)
-
-
 async def scenario(url: str, concurrency: int, rounds: int, texts: list[str], extra: dict,
                    max_tokens: int, tokenizer, temperature: float = 0.0, ignore_eos: bool = False) -> dict:
     timeout = aiohttp.ClientTimeout(total=600)
@@ -235,10 +196,7 @@ def mean_row(rows: list[dict]) -> dict:
     row["tok_per_s_all"] = [r["tok_per_s"] for r in rows]
     row["tok_per_s"] = round(statistics.mean(row["tok_per_s_all"]), 1)
     if "windows" in row:  # summed over the repeats
-        row["windows"] = {}
-        for r in rows:
-            for key, cell in r["windows"].items():
-                row["windows"][key] = [a + b for a, b in zip(row["windows"].get(key, [0] * 3), cell)]
+        row["windows"] = merge([r["windows"] for r in rows])
     return row
 
 
