@@ -193,7 +193,7 @@ class Engine(BlockingAPI):
         self.stats.step_done(len(seqs), max(ks) + 1, sum(committed), marks + [time.perf_counter()])
 
     def _commit_step(self, seqs: list[Sequence], ks: list[int], read: list[list[int]], hidden: mx.array,
-                     reports: dict[int, mx.array]) -> int:
+                     reports: dict[int, mx.array]) -> list[int]:
         """Each row keeps its accepted drafts and the verdict's token; proposers and the KV
         roll back what was rejected. `read[i]`: row i's (accepted, token, window drafts...).
         -> the tokens each row committed."""

@@ -23,9 +23,9 @@ class EngineStats:
         ("requests", "completed", "cancelled", "failed", "rejected", "prompt_tokens",
          "generated_tokens", "steps"), 0))
     batch_histogram: dict[int, int] = field(default_factory=dict)  # rows in a step -> steps
-    # (rows, window) -> [steps, seconds, tokens committed]: what the policy chose at each batch
-    # size and what it paid, per step (a scenario's difference shows where a benchmark's time went)
-    windows: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    # (rows, window) -> [steps, seconds plan to close, tokens committed]: what the policy chose at
+    # each batch size and what it paid (a scenario's difference shows where a benchmark's time went)
+    steps_by_window: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     host_syncs: int = 0  # in decode steps (one per step without TP)
     time_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PARTS, 0.0))
     last_log: float = field(default_factory=time.perf_counter)
@@ -38,7 +38,7 @@ class EngineStats:
         its perf_counter times, one per part boundary."""
         self.totals["steps"] += 1
         self.batch_histogram[rows] = self.batch_histogram.get(rows, 0) + 1
-        cell = self.windows.setdefault((rows, window), [0, 0.0, 0])
+        cell = self.steps_by_window.setdefault((rows, window), [0, 0.0, 0])
         cell[0], cell[1], cell[2] = cell[0] + 1, cell[1] + marks[-1] - marks[0], cell[2] + tokens
         for part, start, end in zip(STEP_PARTS[1:], marks, marks[1:]):
             self.time_s[part] += end - start
@@ -46,15 +46,15 @@ class EngineStats:
     def as_dict(self) -> dict:
         return {"totals": dict(self.totals),
                 "batch_size_histogram": {str(b): n for b, n in sorted(self.batch_histogram.items())},
-                "steps_by_window": self.windows_dict(),
+                "steps_by_window": self.steps_by_window_dict(),
                 "host_syncs": self.host_syncs,
                 "time_ms": {k: round(v * 1e3, 1) for k, v in self.time_s.items()},
                 "host_syncs_per_step": round(self.host_syncs / max(1, self.totals["steps"]), 3)}
 
-    def windows_dict(self) -> dict:
+    def steps_by_window_dict(self) -> dict:
         """{rows: {window: {steps, seconds, tokens}}}, as /v1/status shows them."""
         out: dict = {}
-        for (rows, window), (steps, seconds, tokens) in sorted(self.windows.items()):
+        for (rows, window), (steps, seconds, tokens) in sorted(self.steps_by_window.items()):
             out.setdefault(str(rows), {})[str(window)] = {"steps": steps, "seconds": round(seconds, 4),
                                                          "tokens": tokens}
         return out
