@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from macspec.servebench.launch import LaunchedServer  # noqa: E402
 from macspec.servebench.report import spread  # noqa: E402
-from macspec.servebench.steps import merge, window_line, window_mix  # noqa: E402
+from macspec.servebench.steps import engine_seconds, merge, window_line, window_mix  # noqa: E402
 
 FUNCTIONS = [
     '''def mean(values):
@@ -143,10 +143,10 @@ def speculation(url: str, method: str) -> dict:
         engine = json.loads(resp.read())["engine"]
     spec = engine["speculation"].get(method, {})
     forwards = spec.get("target_forwards", 0)
-    busy = {part: ms / 1e3 for part, ms in engine["time_ms"].items()}
+    prefill_s, decode_s = engine_seconds(engine)
     return {"forwards": forwards, "emitted": spec.get("tokens_per_forward", 0.0) * forwards,
             **{key: spec.get(key, 0) for key in ("drafted", "accepted", "speculative_steps")},
-            "prefill_s": busy.pop("prefill", 0.0), "decode_s": sum(busy.values()),
+            "prefill_s": prefill_s, "decode_s": decode_s,
             "steps_by_window": engine["steps_by_window"]}
 
 

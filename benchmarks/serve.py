@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from macspec.servebench.launch import LaunchedServer, float32_copy, free_port  # noqa: E402
 from macspec.servebench.prompts import CODE  # noqa: E402
 from macspec.servebench.report import spread  # noqa: E402
-from macspec.servebench.steps import merge, window_line, window_mix  # noqa: E402
+from macspec.servebench.steps import engine_seconds, merge, window_line, window_mix  # noqa: E402
 
 
 def prompts(count: int) -> list[str]:
@@ -109,12 +109,12 @@ def step_figures(before: dict | None, after: dict | None) -> dict:
     row_steps = total(after, "target_forwards") - total(before, "target_forwards")
     drafted = total(after, "drafted") - total(before, "drafted")
     emitted = total(after, "emitted") - total(before, "emitted")
-    busy = {part: (after["time_ms"][part] - before["time_ms"][part]) / 1e3 for part in after["time_ms"]}
+    (prefill_was, decode_was), (prefill_s, decode_s) = engine_seconds(before), engine_seconds(after)
     return {"syncs_per_step": round(syncs / max(steps, 1), 2), "mean_k": round(drafted / max(row_steps, 1), 2),
             "tokens_per_step": round(emitted / max(row_steps, 1), 2),
             # the engine's own seconds (its warm-up request included): the wall clock less these is
             # what serving cost outside the steps
-            "prefill_s": round(busy.pop("prefill", 0.0), 3), "decode_s": round(sum(busy.values()), 3),
+            "prefill_s": round(prefill_s - prefill_was, 3), "decode_s": round(decode_s - decode_was, 3),
             # of decode_s, proposers taking rows on and catching them up (timed apart from the steps)
             "catch_up_s": round(after.get("catch_up_s", 0.0) - before.get("catch_up_s", 0.0), 3),
             "windows": window_mix(before["steps_by_window"], after["steps_by_window"])}

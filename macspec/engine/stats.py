@@ -22,7 +22,6 @@ class EngineStats:
     totals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("requests", "completed", "cancelled", "failed", "rejected", "prompt_tokens",
          "generated_tokens", "steps"), 0))
-    batch_histogram: dict[int, int] = field(default_factory=dict)  # rows in a step -> steps
     # (rows, window) -> [steps, seconds plan to close, tokens committed]: what the policy chose at
     # each batch size and what it paid (a scenario's difference shows where a benchmark's time went)
     steps_by_window: dict[tuple[int, int], list[float]] = field(default_factory=dict)
@@ -37,11 +36,18 @@ class EngineStats:
         """A decode step over `rows` rows at `window` positions that committed `tokens`; `marks`:
         its perf_counter times, one per part boundary."""
         self.totals["steps"] += 1
-        self.batch_histogram[rows] = self.batch_histogram.get(rows, 0) + 1
         cell = self.steps_by_window.setdefault((rows, window), [0, 0.0, 0])
         cell[0], cell[1], cell[2] = cell[0] + 1, cell[1] + marks[-1] - marks[0], cell[2] + tokens
         for part, start, end in zip(STEP_PARTS[1:], marks, marks[1:]):
             self.time_s[part] += end - start
+
+    @property
+    def batch_histogram(self) -> dict[int, int]:
+        """Rows in a step -> steps (its windows summed)."""
+        out: dict[int, int] = {}
+        for (rows, _), (steps, _, _) in self.steps_by_window.items():
+            out[rows] = out.get(rows, 0) + steps
+        return out
 
     def as_dict(self) -> dict:
         return {"totals": dict(self.totals),

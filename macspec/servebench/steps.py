@@ -4,6 +4,13 @@ where adaptive speculation and a fixed k (or spec off) part ways, and what each 
 from __future__ import annotations
 
 
+def engine_seconds(engine: dict) -> tuple[float, float]:
+    """A /v1/status engine section's (prefill, decode) seconds so far: decode is every step part
+    but prefill (plan, build, sync, commit, close)."""
+    busy = {part: ms / 1e3 for part, ms in engine["time_ms"].items()}
+    return busy.pop("prefill", 0.0), sum(busy.values())
+
+
 def window_mix(before: dict, after: dict) -> dict[str, list[float]]:
     """What ran between two /v1/status `steps_by_window` snapshots, by (rows, window):
     "16 2" -> [steps, seconds, tokens committed]."""
