@@ -252,6 +252,20 @@ def test_a_first_trial_that_misses_does_not_lengthen_the_wait_before_a_probe():
     assert starts[2] - ends[1] >= 2 * 64, starts  # that probe lost: the next waits twice as long
 
 
+@pytest.mark.parametrize("head", ["useless", "eagle3"])
+@pytest.mark.parametrize("k_max", [1, 4])
+def test_a_method_whose_first_trial_missed_every_draft_stops_at_once(head, k_max):
+    """A fresh server, three requests of 36 tokens in turn at one row (SmolLM2's tools workload at
+    one client): a head whose drafts never land stops after its first trial, so adaptive stays
+    within the margin of plain (judged after 16 steps instead: 0.955-0.963x), and a head whose
+    drafts land still earns what its best fixed k does."""
+    rates = {name: sum(in_turn("smollm2", [head], k, tokens=36, requests=3, seed=s, k_max=k_max)[0]
+                       for s in range(8)) / 8 for name, k in [("plain", 0), ("k=1", 1), ("adaptive", None)]}
+    best = max(rates["plain"], rates["k=1"])
+    assert rates["adaptive"] >= NEVER_SLOWER * rates["plain"], rates
+    assert rates["adaptive"] >= NEAR_BEST * best, rates
+
+
 def test_drafting_while_a_batch_drains_is_priced_at_its_own_row_count():
     """A batch of 16 drains to 9 (one bucket). Plain decoding costs 100 ms a step at 16 rows and
     70 at 9; drafting at 9 rows costs 100 ms for 1.33 tokens a row: 0.93x plain there. Priced at

@@ -107,6 +107,11 @@ class Guard:
         return math.sqrt(spread / self.weight) / mean if mean > 0 else 0.0
 
     @property
+    def landed(self) -> bool:
+        """Whether any of its measured drafts was accepted (a row committed more than 1 token)."""
+        return sum(self.units.values()) > self.weight * (1.0 + 1e-9)
+
+    @property
     def state(self) -> str:
         if self.probe_left:
             return "probing"
@@ -258,31 +263,46 @@ class Policy:
     def _judge(self, guard: Guard, ended_probe: bool) -> float | None:
         """A probe backs off (losing) or resets the interval and lifts a method's cap; only the
         steps the plan chose to draft can lower it (a probe of a method the plan left idle
-        measures a step it did not want). Losing where its first drafts alone would have paid
-        (their hits at a window of 2's cost), the method keeps its first draft: SmolLM2's MTP at
-        one client read 0.86x plain at windows of 3-4 on a hard stretch where they read 0.99x,
-        and off it lost the 1.2x k = 1 gave after. Else, or losing at k <= 1, it is off. Its
-        deeper windows trailing its first drafts alone cap it too (a probe lifts the cap only where
-        they no longer do): SmolLM2's DFlash at four rows read 0.90-0.96x its k = 1 through serve,
-        its plan expecting more of the deeper drafts than they gave. -> the speed-up it judged."""
+        measures a step it did not want), and a first trial none of whose drafts landed: the
+        start's optimism chose it, and a loss with hits may be the warm-up's (SmolLM2's EAGLE-3
+        lost its first trial at 0.74x, then paid). Judged only after 16 steps, a head whose
+        drafts never landed drafted ~16 of its first 36 steps: SmolLM2's MTP on tools at one
+        client through serve (accepting 0.05), 0.93x spec off; simulated, 0.955-0.963x, and
+        0.979-0.984x so.
+        Losing where its first drafts alone would have paid (their hits at a window of 2's cost),
+        the method keeps its first draft: SmolLM2's MTP at one client read 0.86x plain at windows
+        of 3-4 on a hard stretch where they read 0.99x, and off it lost the 1.2x k = 1 gave after.
+        Else, or losing at k <= 1, it is off. Its deeper windows trailing its first drafts alone
+        cap it too (a probe lifts the cap only where they no longer do): SmolLM2's DFlash at four
+        rows read 0.90-0.96x its k = 1 through serve, its plan expecting more of the deeper drafts
+        than they gave. -> the speed-up it judged."""
         speedup, first = self.speedup(guard), self.speedup(guard, first=True)
         losing = self._trails(guard, speedup, 1.0)
         deeper_lose = bool(guard.k_max) and self._trails(guard, speedup, first)  # than its first drafts alone
-        if ended_probe:
-            capped = losing or (guard.k_max == 1 and deeper_lose)
-            backoff = capped and guard.probes  # a first trial's loss is the warm-up's, not a re-probe's
-            guard.interval = min(2 * guard.interval, self.probe_steps[1]) if backoff else self.probe_steps[0]
-            guard.probes += 1
-            if not capped:
-                guard.k_max = math.inf
-            elif guard.k_max == 1:
-                guard.restart(probe=0)  # its first draft is judged on its own steps, not the probe's
-        elif (losing or deeper_lose) and guard.k_max == math.inf and not self._trails(guard, first, 1.0):
+        if not ended_probe:
+            if losing or deeper_lose:
+                self._lower(guard, speedup, first)
+            return speedup
+        capped = losing or (guard.k_max == 1 and deeper_lose)
+        first_trial = not guard.probes
+        backoff = capped and not first_trial  # a first trial's loss is the warm-up's, not a re-probe's
+        guard.interval = min(2 * guard.interval, self.probe_steps[1]) if backoff else self.probe_steps[0]
+        guard.probes += 1
+        if not capped:
+            guard.k_max = math.inf
+        elif guard.k_max == 1:
+            guard.restart(probe=0)  # its first draft is judged on its own steps, not the probe's
+        elif first_trial and not guard.landed:
+            self._lower(guard, speedup, first)
+        return speedup
+
+    def _lower(self, guard: Guard, speedup: float | None, first: float | None) -> None:
+        """Uncapped and its first drafts alone paying: capped at them; else, losing: off."""
+        if guard.k_max == math.inf and not self._trails(guard, first, 1.0):
             guard.k_max = 1
             guard.restart(probe=0)
-        elif losing:
+        elif self._trails(guard, speedup, 1.0):
             guard.k_max = 0
-        return speedup
 
     @staticmethod
     def _trails(guard: Guard, speedup: float | None, bar: float | None) -> bool:
