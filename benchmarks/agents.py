@@ -9,21 +9,24 @@ chat completions: messages, tool definitions, tool calls and results, response_f
   json-schema  the same with response_format json_schema (a grammar constrains every token)
   chat         plain questions (the control: nothing to copy)
 
-Each (method, concurrency, temperature) runs on fresh servers (two: workloads that share text do
-not share a server): suffix decoding's recent answers then hold only that run's earlier requests
-(the same requests sent again would be drafted whole from the last run's answers). c = 1 sends a workload's requests one
-at a time, c = 4 all at once. Per run: tok/s (completion tokens ÷ wall time), and from the
-server's /v1/status the method's tokens per target forward, acceptance and mean draft length (a
-row under 0.97 of spec off is listed after the table with the engine's decode and prefill seconds
-and its steps by batch size and window, over its repeats); "same text" compares each answer with spec off's (greedy only; a sampled answer is equal in
-distribution, not token for token). The server's profile is smollm2's without its repetition
+Each repeat of a (concurrency, temperature) starts a fresh server per method (per group of
+workloads: workloads that share text do not share a server): suffix decoding's recent answers
+then hold only that run's earlier requests (the same requests sent again would be drafted whole
+from the last run's answers), and every method starts cold. The methods take turns batch by batch
+(c = 1 sends a workload's requests one at a time, c = 4 all at once), so a neighbour's burst on
+this shared machine slows them alike. Per run: tok/s (completion tokens ÷ the seconds of the
+method's own batches), and from the server's /v1/status the method's tokens per target forward,
+acceptance and mean draft length (a row under 0.97 of spec off is listed after the table with
+the engine's decode and prefill seconds and its steps by batch size and window, over its
+repeats); "same text" compares each answer with spec off's (greedy only; a sampled answer is
+equal in distribution, not token for token). The server's profile is smollm2's without its repetition
 penalty (an agent restating code must be free to repeat it); mtp runs as the shipped
 profile does (adaptive, k <= 1), ngram up to 4, suffix and mtp+suffix up to suffix_max_tokens.
 
     python benchmarks/agents.py [--methods none,ngram,suffix,mtp,mtp+suffix] [--concurrency 1,4]
         [--temperatures 0,0.7] [--workloads edit,tools,json,json-schema,chat] [--max-tokens 128]
-        [--repeats 1]   (> 1: fresh servers per repeat, methods alternating; median tok/s, and
-                         ÷ none ± the standard error of the per-repeat ratios)
+        [--repeats 1]   (> 1: fresh servers per repeat; median tok/s, and ÷ none the median of
+                         the per-repeat ratios ± their standard error)
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import asyncio
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -157,35 +161,61 @@ def answer(reply: dict) -> str:
                        [c["function"] for c in message["tool_calls"]]])
 
 
-def run(profile: Path, work: Path, method: str, group: dict[str, list[dict]], concurrency: int,
-        temperature: float, max_tokens: int) -> dict[str, dict]:
-    """A fresh server runs `group`'s workloads in turn -> per workload: throughput, the method's
-    speculation figures over it, the answers."""
-    server = LaunchedServer.macspec(str(profile), work)
-    out = {}
+def start(profile: Path, work: Path, methods: list[str]) -> dict[str, LaunchedServer]:
+    """A fresh server per method, started one after another (a start is CPU-heavy), each sent an
+    untimed plain request on another question: first-time shapes, nothing for a proposer to keep."""
+    servers = {}
     try:
-        server.wait_ready(timeout=600)
-        extra = {"max_tokens": max_tokens, "temperature": temperature,
-                 "speculative": SPECULATIVE.get(method, {"method": method})}
-        # Untimed, plain, another question: first-time shapes, nothing for a proposer to keep.
-        asyncio.run(send_all(server.url, [{"messages": [{"role": "user", "content": "Say hello."}],
-                                           "max_tokens": 8, "speculative": {"method": "none"}}], 1))
-        for name, bodies in group.items():
-            sent = [{**body, **extra, **({"seed": 1000 + i} if temperature else {})} for i, body in enumerate(bodies)]
-            before = speculation(server.url, method)
-            replies, seconds = asyncio.run(send_all(server.url, sent, concurrency))
-            after = speculation(server.url, method)
-            steps = window_mix(before.pop("steps_by_window"), after.pop("steps_by_window"))
-            spec = {key: value - before[key] for key, value in after.items()}
-            tokens = sum(r["usage"]["completion_tokens"] for r in replies)
-            out[name] = {"tok_s": tokens / seconds, "tokens": tokens,
-                         "tokens_per_forward": spec["emitted"] / spec["forwards"] if spec["forwards"] else 1.0,
-                         "acceptance": spec["accepted"] / max(spec["drafted"], 1),
-                         "mean_draft": spec["drafted"] / max(spec["speculative_steps"], 1),
-                         "prefill_s": spec["prefill_s"], "decode_s": spec["decode_s"], "steps": steps,
-                         "answers": [answer(r) for r in replies]}
-    finally:
+        for m in methods:
+            servers[m] = LaunchedServer.macspec(str(profile), work / m)
+            servers[m].wait_ready(timeout=600)
+            asyncio.run(send_all(servers[m].url, [{"messages": [{"role": "user", "content": "Say hello."}],
+                                                   "max_tokens": 8, "speculative": {"method": "none"}}], 1))
+    except BaseException:
+        stop(servers)
+        raise
+    return servers
+
+
+def stop(servers: dict[str, LaunchedServer]) -> None:
+    for server in servers.values():
         server.stop()
+
+
+def measure(servers: dict[str, LaunchedServer], group: dict[str, list[dict]], concurrency: int,
+            temperature: float, max_tokens: int, turn: int) -> dict[str, dict[str, dict]]:
+    """Every method's server runs `group`'s workloads, `concurrency` requests at a time, the
+    methods taking turns batch by batch (their order rotating): a neighbour's burst on this shared
+    machine then slows every method's batches alike, where minutes apart it moved a cell by up to
+    0.22. -> per method, per workload: throughput (tokens ÷ the seconds of its own batches), the
+    method's speculation figures over it, the answers."""
+    methods = list(servers)
+    out: dict[str, dict[str, dict]] = {m: {} for m in methods}
+    for name, bodies in group.items():
+        before = {m: speculation(s.url, m) for m, s in servers.items()}
+        replies: dict[str, list[dict]] = {m: [] for m in methods}
+        seconds = dict.fromkeys(methods, 0.0)
+        for b, first in enumerate(range(0, len(bodies), concurrency)):
+            shift = (turn + b) % len(methods)
+            for m in (methods[shift:] + methods[:shift])[::-1 if turn % 2 else 1]:
+                extra = {"max_tokens": max_tokens, "temperature": temperature,
+                         "speculative": SPECULATIVE.get(m, {"method": m})}
+                sent = [{**body, **extra, **({"seed": 1000 + i} if temperature else {})}
+                        for i, body in enumerate(bodies[first:first + concurrency], first)]
+                got, took = asyncio.run(send_all(servers[m].url, sent, concurrency))
+                replies[m] += got
+                seconds[m] += took
+        for m, server in servers.items():
+            after = speculation(server.url, m)
+            steps = window_mix(before[m].pop("steps_by_window"), after.pop("steps_by_window"))
+            spec = {key: value - before[m][key] for key, value in after.items()}
+            tokens = sum(r["usage"]["completion_tokens"] for r in replies[m])
+            out[m][name] = {"tok_s": tokens / seconds[m], "tokens": tokens,
+                            "tokens_per_forward": spec["emitted"] / spec["forwards"] if spec["forwards"] else 1.0,
+                            "acceptance": spec["accepted"] / max(spec["drafted"], 1),
+                            "mean_draft": spec["drafted"] / max(spec["speculative_steps"], 1),
+                            "prefill_s": spec["prefill_s"], "decode_s": spec["decode_s"], "steps": steps,
+                            "answers": [answer(r) for r in replies[m]]}
     return out
 
 
@@ -225,7 +255,7 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--workloads", default="edit,tools,json,json-schema,chat")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="runs per (method, c, T), methods alternating; the median tok/s is reported")
+                    help="runs per (c, T), fresh servers each; the median tok/s and per-repeat ratio are reported")
     ap.add_argument("--json-out", help="also write the rows (tok/s and speculation figures) as JSON")
     args = ap.parse_args(argv)
     from macspec.blas import blas_info
@@ -246,21 +276,28 @@ def main(argv=None) -> None:
     for temperature in (float(t) for t in args.temperatures.split(",")):
         for c in (int(c) for c in args.concurrency.split(",")):
             runs = {m: [] for m in methods}
-            for repeat in range(args.repeats):  # methods alternate, their order flipped each time
-                for m in methods if repeat % 2 == 0 else methods[::-1]:
-                    out = {}
-                    for i, group in enumerate(g for g in groups if g):
-                        out.update(run(profile, work / f"{m}-{c}-{temperature}-{i}-{repeat}", m, group, c,
-                                       temperature, args.max_tokens))
-                    runs[m].append(out)
+            for repeat in range(args.repeats):
+                out = {m: {} for m in methods}
+                for i, group in enumerate(g for g in groups if g):
+                    servers = start(profile, work / f"{c}-{temperature}-{i}-{repeat}", methods)
+                    try:
+                        for m, rows in measure(servers, group, c, temperature, args.max_tokens, repeat).items():
+                            out[m].update(rows)
+                    finally:
+                        stop(servers)
+                for m in methods:
+                    runs[m].append(out[m])
             rows = {m: {name: merged([r[name] for r in runs[m]]) for name in runs[m][0]} for m in methods}
             for name in (n for n in chosen if n in requests):
                 base = rows.get("none", {}).get(name)
                 for m in methods:
                     r = rows[m][name]
-                    ratio = f"{r['tok_s'] / base['tok_s']:.3f}" if base else "-"  # 3 decimals: a cell at the 0.97 bar reads 0.97 at 2
+                    # Each repeat ran the methods side by side: the median of its ratios (a ratio
+                    # of medians would pair one repeat's run with another's)
+                    paired = [a[name]["tok_s"] / b[name]["tok_s"] for a, b in zip(runs[m], runs["none"])] if base else []
+                    ratio = f"{statistics.median(paired):.3f}" if base else "-"  # 3 decimals: a cell at the 0.97 bar reads 0.97 at 2
                     if base and m != "none":
-                        ratio += spread([a[name]["tok_s"] / b[name]["tok_s"] for a, b in zip(runs[m], runs["none"])])
+                        ratio += spread(paired)
                     same = "-" if not base or temperature else \
                         ("yes" if r["answers"] is not None and r["answers"] == base["answers"] else "no")
                     table.append({"workload": name, "temperature": temperature, "concurrency": c, "method": m,
@@ -269,7 +306,7 @@ def main(argv=None) -> None:
                     print(f"| {name} | {temperature:g} | {c} | {m} | {r['tok_s']:.1f} | {ratio} | "
                           f"{r['tokens_per_forward']:.2f} | {r['acceptance']:.2f} | {r['mean_draft']:.2f} | {same} |",
                           flush=True)
-                    if base and m != "none" and r["tok_s"] < BAR * base["tok_s"]:
+                    if base and m != "none" and statistics.median(paired) < BAR:
                         misses.append(miss_line(name, c, m, runs[m], runs["none"]))
     if misses:  # after the table: what the engine did in each row under the bar
         print(f"\nUnder {BAR} of spec off (each window's steps: count x its cost ÷ a plain step's at the same rows, "
