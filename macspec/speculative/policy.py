@@ -279,9 +279,10 @@ class Policy:
         speedup, first = self.speedup(guard), self.speedup(guard, first=True)
         losing = self._trails(guard, speedup, 1.0)
         deeper_lose = bool(guard.k_max) and self._trails(guard, speedup, first)  # than its first drafts alone
+        first_lose = self._trails(guard, first, 1.0)  # its first drafts alone, against plain
         if not ended_probe:
             if losing or deeper_lose:
-                self._lower(guard, speedup, first)
+                self._lower(guard, losing, first_lose)
             return speedup
         capped = losing or (guard.k_max == 1 and deeper_lose)
         first_trial = not guard.probes
@@ -293,15 +294,16 @@ class Policy:
         elif guard.k_max == 1:
             guard.restart(probe=0)  # its first draft is judged on its own steps, not the probe's
         elif first_trial and not guard.landed:
-            self._lower(guard, speedup, first)
+            self._lower(guard, losing, first_lose)
         return speedup
 
-    def _lower(self, guard: Guard, speedup: float | None, first: float | None) -> None:
+    @staticmethod
+    def _lower(guard: Guard, losing: bool, first_lose: bool) -> None:
         """Uncapped and its first drafts alone paying: capped at them; else, losing: off."""
-        if guard.k_max == math.inf and not self._trails(guard, first, 1.0):
+        if guard.k_max == math.inf and not first_lose:
             guard.k_max = 1
             guard.restart(probe=0)
-        elif self._trails(guard, speedup, 1.0):
+        elif losing:
             guard.k_max = 0
 
     @staticmethod
