@@ -19,9 +19,10 @@ method's own batches), and from the server's /v1/status the method's tokens per 
 acceptance and mean draft length (a row under 0.97 of spec off is listed after the table with
 the engine's decode and prefill seconds and its steps by batch size and window, over its
 repeats); "same text" compares each answer with spec off's (greedy only; a sampled answer is
-equal in distribution, not token for token). The server's profile is smollm2's without its repetition
-penalty (an agent restating code must be free to repeat it); mtp runs as the shipped
-profile does (adaptive, k <= 1), ngram up to 4, suffix and mtp+suffix up to suffix_max_tokens.
+equal in distribution, not token for token). Each server's profile is smollm2's with the method it serves (its
+proposer loaded at start-up, as a user's) and without the repetition penalty (an agent restating
+code must be free to repeat it); mtp runs as the shipped profile does (adaptive, k <= 1), ngram up
+to 4, suffix and mtp+suffix up to suffix_max_tokens.
 `control` is a second spec-off server taking its turns as a method does (an A/A comparison): how
 far its ratio to none strays is what a cell's ratio can stray by noise alone, and it is not held
 to the bar.
@@ -166,13 +167,26 @@ def answer(reply: dict) -> str:
                        [c["function"] for c in message["tool_calls"]]])
 
 
-def start(profile: Path, work: Path, methods: list[str]) -> dict[str, LaunchedServer]:
+def profile_for(method: str, work: Path) -> Path:
+    """The profile a user of `method` serves with: its proposer loaded at start-up, as `macspec
+    serve --profile` does (spec off loads none). A method a request asks for first loaded its head
+    inside the first timed batch, and the tapped heads' first prefills there ran ~0.3 s a run slower
+    than spec off's (SmolLM2, chat at four clients): a start-up's cost, not speculation's."""
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / f"agents-{method.replace('+', '-')}.toml"
+    path.write_text('name = "agents"\n[model]\npath = "pulled:smollm2"\ndtype = "float32"\nchat = true\n'
+                    f'[speculative]\nmethod = "{SPECULATIVE.get(method, {"method": method})["method"]}"\n'
+                    'num_draft_tokens = 1\n[sampling]\nrepetition_penalty = 1.0\n[server]\nmax_batch = 4\n')
+    return path
+
+
+def start(work: Path, methods: list[str]) -> dict[str, LaunchedServer]:
     """A fresh server per method, started one after another (a start is CPU-heavy), each sent an
     untimed plain request on another question: first-time shapes, nothing for a proposer to keep."""
     servers = {}
     try:
         for m in methods:
-            servers[m] = LaunchedServer.macspec(str(profile), work / m)
+            servers[m] = LaunchedServer.macspec(str(profile_for(m, work)), work / m)
             servers[m].wait_ready(timeout=600)
             asyncio.run(send_all(servers[m].url, [{"messages": [{"role": "user", "content": "Say hello."}],
                                                    "max_tokens": 8, "speculative": {"method": "none"}}], 1))
@@ -266,10 +280,6 @@ def main(argv=None) -> None:
     from macspec.blas import blas_info
 
     work = Path(tempfile.mkdtemp(prefix="macspec-agents-"))
-    profile = work / "agents.toml"
-    profile.write_text('name = "agents"\n[model]\npath = "pulled:smollm2"\ndtype = "float32"\nchat = true\n'
-                       '[speculative]\nmethod = "mtp"\nnum_draft_tokens = 1\n'
-                       '[sampling]\nrepetition_penalty = 1.0\n[server]\nmax_batch = 4\n')
     requests = workloads()
     chosen = args.workloads.split(",")
     groups = [{name: requests[name] for name in group if name in chosen} for group in SERVER_GROUPS]
@@ -284,7 +294,7 @@ def main(argv=None) -> None:
             for repeat in range(args.repeats):
                 out = {m: {} for m in methods}
                 for i, group in enumerate(g for g in groups if g):
-                    servers = start(profile, work / f"{c}-{temperature}-{i}-{repeat}", methods)
+                    servers = start(work / f"{c}-{temperature}-{i}-{repeat}", methods)
                     try:
                         for m, rows in measure(servers, group, c, temperature, args.max_tokens, repeat).items():
                             out[m].update(rows)
