@@ -303,34 +303,42 @@ class ThreadGovernor:
     """OpenBLAS's threads meet at every call, so with another process busy on the machine each
     call waits out scheduler slices: a 2-thread SmolLM2 step took 0.59 s against ~0.05 s idle.
     Once a second, use as many threads as the cores other processes leave free (never more than
-    the cap: the physical cores, split between ranks)."""
+    the cap: the physical cores, split between ranks). After the engine sat idle, that window is
+    mostly what others did while it waited: its verdict holds for one step, and the next step's
+    window is judged at once (two spec-off servers taking turns each ran ~1 s of every batch on
+    one thread of two, the other server done by then: SmolLM2, tools at four clients)."""
 
     PERIOD_S = 1.0
+    IDLE_S = 2.0  # a window this long, this process mostly idle in it, spans an idle engine
+    SHORTEST_S = 0.05  # a window after idleness is judged once it spans this (counters tick each 10 ms)
 
     def __init__(self):
         self.cap = 0
         self._last: tuple[float, float, float] | None = None  # (time, busy s machine, busy s ours)
+        self._after_idle = False  # the last window spanned idleness: the next is judged at once
 
     def tick(self) -> None:
         info = blas_info()
         if info.name != "openblas" or _user_threads() is not None or info.threads == 0:
             return
         now = time.monotonic()
-        if self._last is not None and now - self._last[0] < self.PERIOD_S:
+        elapsed = now - self._last[0] if self._last is not None else None
+        if elapsed is not None and elapsed < (self.SHORTEST_S if self._after_idle else self.PERIOD_S):
             return
         import psutil
 
         machine = psutil.cpu_times()
         busy = sum(machine) - machine.idle - getattr(machine, "iowait", 0.0)
         ours = sum(psutil.Process().cpu_times()[:2])
-        if self._last is not None:
-            elapsed = now - self._last[0]
+        if elapsed is not None:
             others = max(0.0, (busy - self._last[1]) - (ours - self._last[2])) / elapsed
             cap = self.cap or default_threads()
             wanted = max(1, min(cap, int(default_threads() - others + 0.25)))
             if wanted != info.threads:
                 _apply_threads(wanted)
                 logger.debug("OpenBLAS threads -> %d (other processes use %.1f cores)", wanted, others)
+            # idle: a long window in which this process used under half a core (a long step is busy)
+            self._after_idle = elapsed >= self.IDLE_S and ours - self._last[2] < elapsed / 2
         self._last = (now, busy, ours)
 
 

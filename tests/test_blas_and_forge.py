@@ -131,3 +131,49 @@ def test_threads_give_way_to_another_busy_process():
         assert blas.blas_info().threads < blas.default_threads()  # a core left to the other process
     finally:
         burner.kill()
+
+
+@linux_only
+@pytest.mark.parametrize("neighbour_stays", [False, True])
+def test_threads_after_idleness_follow_the_load_now_not_while_the_server_waited(monkeypatch, neighbour_stays):
+    """A neighbour used every core while the server sat idle for 30 s. A request then comes: its
+    first step runs on one thread (the idle window's load), its second on the threads the machine
+    leaves free now: all of them if the neighbour has stopped (before, one until a second had
+    passed), fewer if it has not. The machine's counters are scripted: a neighbour's timing
+    cannot be, on a shared machine."""
+    from collections import namedtuple
+
+    import psutil
+
+    from macspec import blas
+
+    cores = blas.default_threads()
+    if blas.blas_info().name != "openblas" or cores < 2 or blas._user_threads():
+        pytest.skip("needs OpenBLAS on 2+ physical cores and no OPENBLAS_NUM_THREADS")
+    Times = namedtuple("Times", "user system idle iowait")
+    clock = {"now": 1000.0, "machine": 0.0, "ours": 0.0}
+
+    class Process:
+        def cpu_times(self):
+            return (clock["ours"], 0.0)
+
+    def advance(seconds: float, ours: float, others: float) -> None:  # cores busy over `seconds`
+        clock["now"] += seconds
+        clock["ours"] += ours * seconds
+        clock["machine"] += (ours + others) * seconds
+
+    monkeypatch.setattr(blas.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(psutil, "cpu_times", lambda: Times(clock["machine"], 0.0, 1e6, 0.0))
+    monkeypatch.setattr(psutil, "Process", Process)
+    governor, was = blas.ThreadGovernor(), blas.blas_info().threads
+    try:
+        blas._apply_threads(cores)
+        governor.tick()  # the last step before idleness
+        advance(30.0, ours=0.01, others=cores)  # idle; the neighbour busy on every core
+        governor.tick()  # the request's first step
+        assert blas.blas_info().threads == 1
+        advance(0.06, ours=cores - neighbour_stays, others=neighbour_stays)
+        governor.tick()  # its second
+        assert blas.blas_info().threads == (cores - 1 if neighbour_stays else cores)
+    finally:
+        blas._apply_threads(was)
