@@ -19,13 +19,12 @@ method's own batches), and from the server's /v1/status the method's tokens per 
 acceptance and mean draft length (a row under 0.97 of spec off is listed after the table with
 the engine's decode and prefill seconds and its steps by batch size and window, over its
 repeats); "same text" compares each answer with spec off's (greedy only; a sampled answer is
-equal in distribution, not token for token). Each server's profile is smollm2's with the method it serves (its
-proposer loaded at start-up, as a user's) and without the repetition penalty (an agent restating
-code must be free to repeat it); mtp runs as the shipped profile does (adaptive, k <= 1), ngram up
-to 4, suffix and mtp+suffix up to suffix_max_tokens.
-`control` is a second spec-off server taking its turns as a method does (an A/A comparison): how
-far its ratio to none strays is what a cell's ratio can stray by noise alone, and it is not held
-to the bar.
+equal in distribution, not token for token). Each server's profile is smollm2's with the method
+it serves (its proposer loaded at start-up, as a user's) and without the repetition penalty (an
+agent restating code must be free to repeat it); mtp runs as the shipped profile does (adaptive,
+k <= 1), ngram up to 4, suffix and mtp+suffix up to suffix_max_tokens. `control` is a second
+spec-off server taking its turns as a method does (an A/A comparison): how far its ratio to none
+strays is what a cell's ratio can stray by noise alone, and it is not held to the bar.
 
     python benchmarks/agents.py [--methods none,control,ngram,suffix,mtp,mtp+suffix] [--concurrency 1,4]
         [--temperatures 0,0.7] [--workloads edit,tools,json,json-schema,chat] [--max-tokens 128]
