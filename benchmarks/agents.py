@@ -13,11 +13,11 @@ Each repeat of a (concurrency, temperature) starts a fresh server per method (pe
 workloads: workloads that share text do not share a server): suffix decoding's recent answers
 then hold only that run's earlier requests (the same requests sent again would be drafted whole
 from the last run's answers), and every method starts cold (the servers started in an order
-that rotates by repeat). The methods take turns batch by batch
-(c = 1 sends a workload's requests one at a time, c = 4 all at once), so a neighbour's burst on
-this shared machine slows them alike. Per run: tok/s (completion tokens ÷ the seconds of the
-method's own batches), and from the server's /v1/status the method's tokens per target forward,
-acceptance and mean draft length (a row under 0.97 of spec off is listed after the table with
+that rotates by repeat). The methods take turns batch by batch (c = 1 sends a workload's
+requests one at a time, c = 4 all at once), so a neighbour's burst on this shared machine slows
+them alike. Per run: tok/s (completion tokens ÷ the seconds of the method's own batches), and
+from the server's /v1/status the method's tokens per target forward, acceptance and mean draft
+length (a row under 0.97 of spec off is listed after the table with
 the engine's decode and prefill seconds and its steps by batch size and window, over its
 repeats); "same text" compares each answer with spec off's (greedy only; a sampled answer is
 equal in distribution, not token for token). Each server's profile is smollm2's with the method
