@@ -17,15 +17,15 @@ that rotates by repeat). The methods take turns batch by batch (c = 1 sends a wo
 requests one at a time, c = 4 all at once), so a neighbour's burst on this shared machine slows
 them alike. Per run: tok/s (completion tokens ÷ the seconds of the method's own batches), and
 from the server's /v1/status the method's tokens per target forward, acceptance and mean draft
-length (a row under 0.97 of spec off is listed after the table with
-the engine's decode and prefill seconds and its steps by batch size and window, over its
-repeats); "same text" compares each answer with spec off's (greedy only; a sampled answer is
-equal in distribution, not token for token). Each server's profile is smollm2's with the method
-it serves (its proposer loaded at start-up, as a user's) and without the repetition penalty (an
-agent restating code must be free to repeat it); mtp runs as the shipped profile does (adaptive,
-k <= 1), ngram up to 4, suffix and mtp+suffix up to suffix_max_tokens. `control` is a second
-spec-off server taking its turns as a method does (an A/A comparison): how far its ratio to none
-strays is what a cell's ratio can stray by noise alone, and it is not held to the bar.
+length (a row under 0.97 of spec off is listed after the table with the engine's decode and
+prefill seconds and its steps by batch size and window, over its repeats); "same text" compares
+each answer with spec off's (greedy only; a sampled answer is equal in distribution, not token
+for token). Each server's profile is smollm2's with the method it serves (its proposer loaded
+at start-up, as a user's) and without the repetition penalty (an agent restating code must be
+free to repeat it); mtp runs as the shipped profile does (adaptive, k <= 1), ngram up to 4,
+suffix and mtp+suffix up to suffix_max_tokens. `control` is a second spec-off server taking its
+turns as a method does (an A/A comparison): how far its ratio to none strays is what a cell's
+ratio can stray by noise alone, and it is not held to the bar.
 
     python benchmarks/agents.py [--methods none,control,ngram,suffix,mtp,mtp+suffix] [--concurrency 1,4]
         [--temperatures 0,0.7] [--workloads edit,tools,json,json-schema,chat] [--max-tokens 128]
@@ -105,6 +105,11 @@ SPECULATIVE = {"none": {"method": "none"}, CONTROL: {"method": "none"},
                "ngram": {"method": "ngram", "num_draft_tokens": 4}}
 
 
+def speculative(method: str) -> dict:
+    """A method's requests' `speculative` settings (its profile names their method)."""
+    return SPECULATIVE.get(method, {"method": method})
+
+
 def workloads() -> dict[str, list[dict]]:
     """Workload -> its requests' bodies (without the sampling and speculative fields)."""
     edit = [{"messages": [{"role": "user", "content": f"```python\n{code}```\n\n"
@@ -175,7 +180,7 @@ def profile_for(method: str, work: Path) -> Path:
     work.mkdir(parents=True, exist_ok=True)
     path = work / f"agents-{method.replace('+', '-')}.toml"
     path.write_text('name = "agents"\n[model]\npath = "pulled:smollm2"\ndtype = "float32"\nchat = true\n'
-                    f'[speculative]\nmethod = "{SPECULATIVE.get(method, {"method": method})["method"]}"\n'
+                    f'[speculative]\nmethod = "{speculative(method)["method"]}"\n'
                     'num_draft_tokens = 1\n[sampling]\nrepetition_penalty = 1.0\n[server]\nmax_batch = 4\n')
     return path
 
@@ -218,7 +223,7 @@ def measure(servers: dict[str, LaunchedServer], group: dict[str, list[dict]], co
             shift = (turn + b) % len(methods)
             for m in (methods[shift:] + methods[:shift])[::-1 if turn % 2 else 1]:
                 extra = {"max_tokens": max_tokens, "temperature": temperature,
-                         "speculative": SPECULATIVE.get(m, {"method": m})}
+                         "speculative": speculative(m)}
                 sent = [{**body, **extra, **({"seed": 1000 + i} if temperature else {})}
                         for i, body in enumerate(bodies[first:first + concurrency], first)]
                 got, took = asyncio.run(send_all(servers[m].url, sent, concurrency))
@@ -294,8 +299,8 @@ def main(argv=None) -> None:
             for repeat in range(args.repeats):
                 out = {m: {} for m in methods}
                 for i, group in enumerate(g for g in groups if g):
-                    # Each repeat starts them in another order: the first of five spec-off servers
-                    # read 7-8 % faster than the second on tools at four clients, run after run
+                    # Each repeat starts them in another order: the server started first read up to
+                    # 7-8 % faster than a second spec-off server (tools at four clients, run after run)
                     order = methods[repeat % len(methods):] + methods[:repeat % len(methods)]
                     servers = start(work / f"{c}-{temperature}-{i}-{repeat}", order)
                     try:

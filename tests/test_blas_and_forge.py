@@ -113,12 +113,20 @@ def test_forge_smoke_writes_loadable_family(tmp_path, monkeypatch):
         assert gen.stats["spec"]["drafted"] > 0
 
 
-@linux_only
-def test_threads_give_way_to_another_busy_process():
+def skip_without_a_thread_choice() -> None:
+    """The thread governor has a choice to make only with OpenBLAS, 2+ physical cores and no
+    OPENBLAS_NUM_THREADS from the user (which always wins)."""
     from macspec import blas
 
     if blas.blas_info().name != "openblas" or blas.default_threads() < 2 or blas._user_threads():
         pytest.skip("needs OpenBLAS on 2+ physical cores and no OPENBLAS_NUM_THREADS")
+
+
+@linux_only
+def test_threads_give_way_to_another_busy_process():
+    from macspec import blas
+
+    skip_without_a_thread_choice()
     burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         import time
@@ -147,9 +155,8 @@ def test_threads_after_idleness_follow_the_load_now_not_while_the_server_waited(
 
     from macspec import blas
 
+    skip_without_a_thread_choice()
     cores = blas.default_threads()
-    if blas.blas_info().name != "openblas" or cores < 2 or blas._user_threads():
-        pytest.skip("needs OpenBLAS on 2+ physical cores and no OPENBLAS_NUM_THREADS")
     Times = namedtuple("Times", "user system idle iowait")
     clock = {"now": 1000.0, "machine": 0.0, "ours": 0.0}
 
