@@ -280,7 +280,7 @@ def main(argv=None) -> None:
     ap.add_argument("--workloads", default="edit,tools,json,json-schema,chat")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs per (c, T), fresh servers each; the median tok/s and per-repeat ratio are reported")
-    ap.add_argument("--json-out", help="also write the rows (tok/s and speculation figures) as JSON")
+    ap.add_argument("--json-out", help="also write the rows (tok/s, the ratio to spec off with each repeat's, speculation figures) as JSON")
     args = ap.parse_args(argv)
     from macspec.blas import blas_info
 
@@ -326,7 +326,7 @@ def main(argv=None) -> None:
                         ("yes" if r["answers"] is not None and r["answers"] == base["answers"] else "no")
                     table.append({"workload": name, "temperature": temperature, "concurrency": c, "method": m,
                                   **{key: value for key, value in r.items() if key != "answers"},
-                                  "same_text": same})
+                                  "ratio": median, "ratios": paired, "same_text": same})
                     print(f"| {name} | {temperature:g} | {c} | {m} | {r['tok_s']:.1f} | {ratio} | "
                           f"{r['tokens_per_forward']:.2f} | {r['acceptance']:.2f} | {r['mean_draft']:.2f} | {same} |",
                           flush=True)
