@@ -25,12 +25,16 @@ at start-up, as a user's) and without the repetition penalty (an agent restating
 free to repeat it); mtp runs as the shipped profile does (adaptive, k <= 1), ngram up to 4,
 suffix and mtp+suffix up to suffix_max_tokens. `control` is a second spec-off server taking its
 turns as a method does (an A/A comparison): how far its ratio to none strays is what a cell's
-ratio can stray by noise alone, and it is not held to the bar.
+ratio can stray by noise alone, and it is not held to the bar. Two servers' plain steps here
+differ by up to 10-15 % at three rows (2026-12-06), and that is in every ratio between servers:
+`--baseline own` divides each method by spec-off requests sent to its own server instead, taking
+turns with its own (the prefix cache off, so neither arm's prompts are the other's cache hits;
+a lookup's recent answers hold only its own requests').
 
     python benchmarks/agents.py [--methods none,control,ngram,suffix,mtp,mtp+suffix] [--concurrency 1,4]
         [--temperatures 0,0.7] [--workloads edit,tools,json,json-schema,chat] [--max-tokens 128]
         [--repeats 1]   (> 1: fresh servers per repeat; median tok/s, and ÷ none the median of
-                         the per-repeat ratios ± their standard error)
+                         the per-repeat ratios ± their standard error) [--baseline server|own]
 """
 
 from __future__ import annotations
@@ -172,26 +176,29 @@ def answer(reply: dict) -> str:
                        [c["function"] for c in message["tool_calls"]]])
 
 
-def profile_for(method: str, work: Path) -> Path:
+def profile_for(method: str, work: Path, prefix_cache: bool = True) -> Path:
     """The profile a user of `method` serves with: its proposer loaded at start-up, as `macspec
     serve --profile` does (spec off loads none). A method a request asks for first loaded its head
     inside the first timed batch, and the tapped heads' first prefills there ran ~0.3 s a run slower
-    than spec off's (SmolLM2, chat at four clients): a start-up's cost, not speculation's."""
+    than spec off's (SmolLM2, chat at four clients): a start-up's cost, not speculation's.
+    `prefix_cache` False: where two arms send the same prompts to one server, neither is the
+    other's cache hit."""
     work.mkdir(parents=True, exist_ok=True)
     path = work / f"agents-{method.replace('+', '-')}.toml"
     path.write_text('name = "agents"\n[model]\npath = "pulled:smollm2"\ndtype = "float32"\nchat = true\n'
                     f'[speculative]\nmethod = "{speculative(method)["method"]}"\n'
-                    'num_draft_tokens = 1\n[sampling]\nrepetition_penalty = 1.0\n[server]\nmax_batch = 4\n')
+                    'num_draft_tokens = 1\n[sampling]\nrepetition_penalty = 1.0\n[server]\nmax_batch = 4\n'
+                    + ("" if prefix_cache else "[kv]\nprefix_cache_mb = 0\n"))
     return path
 
 
-def start(work: Path, methods: list[str]) -> dict[str, LaunchedServer]:
+def start(work: Path, methods: list[str], prefix_cache: bool = True) -> dict[str, LaunchedServer]:
     """A fresh server per method, started one after another (a start is CPU-heavy), each sent an
     untimed plain request on another question: first-time shapes, nothing for a proposer to keep."""
     servers = {}
     try:
         for m in methods:
-            servers[m] = LaunchedServer.macspec(str(profile_for(m, work)), work / m)
+            servers[m] = LaunchedServer.macspec(str(profile_for(m, work, prefix_cache)), work / m)
             servers[m].wait_ready(timeout=600)
             asyncio.run(send_all(servers[m].url, [{"messages": [{"role": "user", "content": "Say hello."}],
                                                    "max_tokens": 8, "speculative": {"method": "none"}}], 1))
@@ -206,40 +213,50 @@ def stop(servers: dict[str, LaunchedServer]) -> None:
         server.stop()
 
 
-def measure(servers: dict[str, LaunchedServer], group: dict[str, list[dict]], concurrency: int,
-            temperature: float, max_tokens: int, turn: int) -> dict[str, dict[str, dict]]:
-    """Every method's server runs `group`'s workloads, `concurrency` requests at a time, the
-    methods taking turns batch by batch (their order rotating): a neighbour's burst on this shared
-    machine then slows every method's batches alike, where minutes apart it moved a cell by up to
-    0.22. -> per method, per workload: throughput (tokens ÷ the seconds of its own batches), the
-    method's speculation figures over it, the answers."""
-    methods = list(servers)
-    out: dict[str, dict[str, dict]] = {m: {} for m in methods}
+OWN = ":off"  # an arm of spec-off requests on a method's own server (--baseline own)
+
+
+def arms_of(methods: list[str], own: bool) -> list[tuple[str, str, dict]]:
+    """(arm, its server, its requests' `speculative` settings): each method on its own server,
+    and with `own` each speculating method's spec-off requests on that server too."""
+    arms = [(m, m, speculative(m)) for m in methods]
+    return arms + [(m + OWN, m, {"method": "none"}) for m in methods if own and m != "none"]
+
+
+def measure(servers: dict[str, LaunchedServer], arms: list[tuple[str, str, dict]], group: dict[str, list[dict]],
+            concurrency: int, temperature: float, max_tokens: int, turn: int) -> dict[str, dict[str, dict]]:
+    """Every arm runs `group`'s workloads, `concurrency` requests at a time, the arms taking turns
+    batch by batch (their order rotating): a neighbour's burst on this shared machine then slows
+    every arm's batches alike, where minutes apart it moved a cell by up to 0.22. -> per arm, per
+    workload: throughput (tokens ÷ the seconds of its own batches), its speculation figures and
+    engine seconds over its own batches, the answers."""
+    out: dict[str, dict[str, dict]] = {arm: {} for arm, _, _ in arms}
     for name, bodies in group.items():
-        before = {m: speculation(s.url, m) for m, s in servers.items()}
-        replies: dict[str, list[dict]] = {m: [] for m in methods}
-        seconds = dict.fromkeys(methods, 0.0)
+        spent = {arm: {"seconds": 0.0, "replies": [], "figures": {}, "steps": []} for arm, _, _ in arms}
         for b, first in enumerate(range(0, len(bodies), concurrency)):
-            shift = (turn + b) % len(methods)
-            for m in (methods[shift:] + methods[:shift])[::-1 if turn % 2 else 1]:
-                extra = {"max_tokens": max_tokens, "temperature": temperature,
-                         "speculative": speculative(m)}
-                sent = [{**body, **extra, **({"seed": 1000 + i} if temperature else {})}
+            shift = (turn + b) % len(arms)
+            for arm, server, settings in (arms[shift:] + arms[:shift])[::-1 if turn % 2 else 1]:
+                url, sums = servers[server].url, spent[arm]
+                sent = [{**body, "max_tokens": max_tokens, "temperature": temperature, "speculative": settings,
+                         **({"seed": 1000 + i} if temperature else {})}
                         for i, body in enumerate(bodies[first:first + concurrency], first)]
-                got, took = asyncio.run(send_all(servers[m].url, sent, concurrency))
-                replies[m] += got
-                seconds[m] += took
-        for m, server in servers.items():
-            after = speculation(server.url, m)
-            steps = window_mix(before[m].pop("steps_by_window"), after.pop("steps_by_window"))
-            spec = {key: value - before[m][key] for key, value in after.items()}
-            tokens = sum(r["usage"]["completion_tokens"] for r in replies[m])
-            out[m][name] = {"tok_s": tokens / seconds[m], "tokens": tokens,
-                            "tokens_per_forward": spec["emitted"] / spec["forwards"] if spec["forwards"] else 1.0,
-                            "acceptance": spec["accepted"] / max(spec["drafted"], 1),
-                            "mean_draft": spec["drafted"] / max(spec["speculative_steps"], 1),
-                            "prefill_s": spec["prefill_s"], "decode_s": spec["decode_s"], "steps": steps,
-                            "answers": [answer(r) for r in replies[m]]}
+                before = speculation(url, settings["method"])
+                got, took = asyncio.run(send_all(url, sent, concurrency))
+                after = speculation(url, settings["method"])
+                sums["steps"].append(window_mix(before.pop("steps_by_window"), after.pop("steps_by_window")))
+                for key, value in after.items():
+                    sums["figures"][key] = sums["figures"].get(key, 0) + value - before[key]
+                sums["replies"] += got
+                sums["seconds"] += took
+        for arm, sums in spent.items():
+            spec, replies = sums["figures"], sums["replies"]
+            tokens = sum(r["usage"]["completion_tokens"] for r in replies)
+            out[arm][name] = {"tok_s": tokens / sums["seconds"], "tokens": tokens,
+                              "tokens_per_forward": spec["emitted"] / spec["forwards"] if spec["forwards"] else 1.0,
+                              "acceptance": spec["accepted"] / max(spec["drafted"], 1),
+                              "mean_draft": spec["drafted"] / max(spec["speculative_steps"], 1),
+                              "prefill_s": spec["prefill_s"], "decode_s": spec["decode_s"],
+                              "steps": merge(sums["steps"]), "answers": [answer(r) for r in replies]}
     return out
 
 
@@ -280,6 +297,10 @@ def main(argv=None) -> None:
     ap.add_argument("--workloads", default="edit,tools,json,json-schema,chat")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs per (c, T), fresh servers each; the median tok/s and per-repeat ratio are reported")
+    ap.add_argument("--baseline", choices=("server", "own"), default="server",
+                    help="each method's ratio against spec off's own server (server), or against spec-off "
+                         "requests on the method's own server, the prefix cache off (own): two servers' "
+                         "plain steps differ by up to 10-15 %% here, and own takes that out of the ratio")
     ap.add_argument("--json-out", help="also write the rows (tok/s, the ratio to spec off with each repeat's, speculation figures) as JSON")
     args = ap.parse_args(argv)
     from macspec.blas import blas_info
@@ -290,37 +311,42 @@ def main(argv=None) -> None:
     groups = [{name: requests[name] for name in group if name in chosen} for group in SERVER_GROUPS]
     methods = args.methods.split(",")
     print(f"BLAS {blas_info().name}; SmolLM2 float32 through macspec serve, {args.max_tokens} tokens", flush=True)
-    print("| workload | T | c | method | tok/s | ÷ none | tokens/forward | acceptance | mean draft | same text |")
+    own = args.baseline == "own"
+    arms = arms_of(methods, own)
+    print(f"| workload | T | c | method | tok/s | ÷ {'its own server' + chr(39) + 's spec off' if own else 'none'} "
+          "| tokens/forward | acceptance | mean draft | same text |")
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|---|")
     table, misses = [], []
     for temperature in (float(t) for t in args.temperatures.split(",")):
         for c in (int(c) for c in args.concurrency.split(",")):
-            runs = {m: [] for m in methods}
+            runs = {arm: [] for arm, _, _ in arms}
             for repeat in range(args.repeats):
-                out = {m: {} for m in methods}
+                out = {arm: {} for arm, _, _ in arms}
                 for i, group in enumerate(g for g in groups if g):
                     # Each repeat starts them in another order: the server started first read up to
                     # 7-8 % faster than a second spec-off server (tools at four clients, run after run)
                     order = methods[repeat % len(methods):] + methods[:repeat % len(methods)]
-                    servers = start(work / f"{c}-{temperature}-{i}-{repeat}", order)
+                    servers = start(work / f"{c}-{temperature}-{i}-{repeat}", order, prefix_cache=not own)
                     try:
-                        for m, rows in measure(servers, group, c, temperature, args.max_tokens, repeat).items():
-                            out[m].update(rows)
+                        for arm, rows in measure(servers, arms, group, c, temperature, args.max_tokens, repeat).items():
+                            out[arm].update(rows)
                     finally:
                         stop(servers)
-                for m in methods:
-                    runs[m].append(out[m])
-            rows = {m: {name: merged([r[name] for r in runs[m]]) for name in runs[m][0]} for m in methods}
+                for arm in out:
+                    runs[arm].append(out[arm])
+            rows = {arm: {name: merged([r[name] for r in runs[arm]]) for name in runs[arm][0]} for arm in runs}
             for name in (n for n in chosen if n in requests):
                 base = rows.get("none", {}).get(name)
                 for m in methods:
                     r = rows[m][name]
-                    # Each repeat ran the methods side by side: the median of its ratios (a ratio
+                    against = m + OWN if own and m != "none" else "none"  # the arm its ratio divides by
+                    # Each repeat ran the arms side by side: the median of its ratios (a ratio
                     # of medians would pair one repeat's run with another's)
-                    paired = [a[name]["tok_s"] / b[name]["tok_s"] for a, b in zip(runs[m], runs["none"])] if base else []
-                    median = statistics.median(paired) if base else None
-                    ratio = f"{median:.3f}" if base else "-"  # 3 decimals: a cell at the 0.97 bar reads 0.97 at 2
-                    if base and m != "none":
+                    paired = [a[name]["tok_s"] / b[name]["tok_s"] for a, b in zip(runs[m], runs[against])] \
+                        if against in runs else []
+                    median = statistics.median(paired) if paired else None
+                    ratio = f"{median:.3f}" if paired else "-"  # 3 decimals: a cell at the 0.97 bar reads 0.97 at 2
+                    if paired and m != "none":
                         ratio += spread(paired)
                     same = "-" if not base or temperature else \
                         ("yes" if r["answers"] is not None and r["answers"] == base["answers"] else "no")
@@ -330,8 +356,8 @@ def main(argv=None) -> None:
                     print(f"| {name} | {temperature:g} | {c} | {m} | {r['tok_s']:.1f} | {ratio} | "
                           f"{r['tokens_per_forward']:.2f} | {r['acceptance']:.2f} | {r['mean_draft']:.2f} | {same} |",
                           flush=True)
-                    if base and m not in ("none", CONTROL) and median < BAR:
-                        misses.append(miss_line(name, c, m, runs[m], runs["none"]))
+                    if paired and m not in ("none", CONTROL) and median < BAR:
+                        misses.append(miss_line(name, c, m, runs[m], runs[against]))
     if misses:  # after the table: what the engine did in each row under the bar
         print(f"\nUnder {BAR} of spec off (each window's steps: count x its cost ÷ a plain step's at the same rows, "
               "tokens a row):", *misses, sep="\n")
