@@ -352,7 +352,10 @@ def main(argv=None) -> None:
                         ("yes" if r["answers"] is not None and r["answers"] == base["answers"] else "no")
                     table.append({"workload": name, "temperature": temperature, "concurrency": c, "method": m,
                                   **{key: value for key, value in r.items() if key != "answers"},
-                                  "ratio": median, "ratios": paired, "same_text": same})
+                                  "ratio": median, "ratios": paired, "same_text": same,
+                                  # its own server's spec-off arm (--baseline own): its steps and seconds
+                                  **({"own_spec_off": {key: value for key, value in rows[against][name].items()
+                                                       if key != "answers"}} if against != "none" else {})})
                     print(f"| {name} | {temperature:g} | {c} | {m} | {r['tok_s']:.1f} | {ratio} | "
                           f"{r['tokens_per_forward']:.2f} | {r['acceptance']:.2f} | {r['mean_draft']:.2f} | {same} |",
                           flush=True)
