@@ -313,8 +313,8 @@ def main(argv=None) -> None:
     print(f"BLAS {blas_info().name}; SmolLM2 float32 through macspec serve, {args.max_tokens} tokens", flush=True)
     own = args.baseline == "own"
     arms = arms_of(methods, own)
-    print(f"| workload | T | c | method | tok/s | ÷ {'its own server' + chr(39) + 's spec off' if own else 'none'} "
-          "| tokens/forward | acceptance | mean draft | same text |")
+    divisor = "its own server's spec off" if own else "none"
+    print(f"| workload | T | c | method | tok/s | ÷ {divisor} | tokens/forward | acceptance | mean draft | same text |")
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|---|")
     table, misses = [], []
     for temperature in (float(t) for t in args.temperatures.split(",")):
