@@ -122,6 +122,20 @@ def test_a_burst_whose_requests_draft_unequally_is_never_slower(heads):
     assert adaptive >= NEVER_SLOWER * plain and adaptive >= NEAR_BEST * best, (heads, summary)
 
 
+@pytest.mark.parametrize("heads,table", [(("good", "good", "good", "weak"), None),
+                                         (("good", "good", "weak"), SMOLLM2_BURST_TABLE)])
+def test_a_draining_burst_takes_no_window_its_last_request_loses_in(heads, table):
+    """Requests of 128 tokens, none joining once they started: the weak one falls behind the
+    others, stays within its pace's margin while paying for their windows, and ends the burst
+    alone (0.965x plain on the tiny draft's step costs; on SmolLM2's, 0.929x the best fixed k).
+    Once the batch drains, its last request takes no window it expects to lose in."""
+    rates = compare_burst(list(heads), tokens=128, table=table)
+    plain, adaptive = rates.pop("plain"), rates.pop("adaptive")
+    best = max(max(rates.values()), plain)
+    summary = {k: round(v / plain, 3) for k, v in rates.items()} | {"adaptive": round(adaptive / plain, 3)}
+    assert adaptive >= NEVER_SLOWER * plain and adaptive >= NEAR_BEST * best, (heads, summary)
+
+
 def test_a_request_unlike_its_methods_others_does_not_slow_a_burst():
     """SmolLM2's MTP at three rows (its step costs through serve), the method's prior warmed on
     another workload: two requests accept 0.3, the third never. The third's decayed evidence
