@@ -27,24 +27,24 @@ NEVER_SLOWER = 0.97  # x plain decoding
 NEAR_BEST = 0.95  # x the best fixed k (or plain, where no k pays)
 
 
-def assert_policy_holds(table: str, rows: int, stream: Stream, **kw) -> None:
-    rates = compare(table, rows, stream, seeds=4, steps=500, **kw)
+def assert_rates_hold(rates: dict[str, float], case, near_best: bool = True) -> None:
+    """A simulator's rates (plain, adaptive, each fixed k): never slower than plain, and
+    (`near_best`) near the best fixed k."""
     plain, adaptive = rates.pop("plain"), rates.pop("adaptive")
     best = max(max(rates.values()), plain)
     summary = {k: round(v / plain, 3) for k, v in rates.items()} | {"adaptive": round(adaptive / plain, 3)}
-    assert adaptive >= NEVER_SLOWER * plain, (table, rows, stream, summary)
-    assert adaptive >= NEAR_BEST * best, (table, rows, stream, summary)
+    assert adaptive >= NEVER_SLOWER * plain, (case, summary)
+    if near_best:
+        assert adaptive >= NEAR_BEST * best, (case, summary)
+
+
+def assert_policy_holds(table: str, rows: int, stream: Stream, **kw) -> None:
+    assert_rates_hold(compare(table, rows, stream, seeds=4, steps=500, **kw), (table, rows, stream))
 
 
 def assert_burst_holds(heads, near_best: bool = True, **kw) -> None:
-    """Closed bursts (compare_burst): never slower than plain, and (`near_best`) near the best fixed k."""
-    rates = compare_burst(list(heads), **kw)
-    plain, adaptive = rates.pop("plain"), rates.pop("adaptive")
-    best = max(max(rates.values()), plain)
-    summary = {k: round(v / plain, 3) for k, v in rates.items()} | {"adaptive": round(adaptive / plain, 3)}
-    assert adaptive >= NEVER_SLOWER * plain, (heads, summary)
-    if near_best:
-        assert adaptive >= NEAR_BEST * best, (heads, summary)
+    """Closed bursts (compare_burst)."""
+    assert_rates_hold(compare_burst(list(heads), **kw), heads, near_best)
 
 
 @pytest.mark.parametrize("table", list(TABLES))
