@@ -9,7 +9,6 @@ import mlx.core as mx
 
 from .. import proposers
 from ..errors import RequestError
-from ..models.view import kept_states
 from ..sampling import Rng, RowContext
 from ..speculative.speculator import Record, Speculator
 from ..speculative.stats import SpecStats
@@ -110,7 +109,7 @@ class Sequence:
 
     def keep_states(self, hidden: mx.array) -> None:
         """The target's states for the positions just committed (a proposer reads them)."""
-        self.states = kept_states(self.states, hidden)
+        self.states.append(hidden)
 
     def emit(self, event: Event) -> None:
         if self.closed:

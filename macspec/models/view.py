@@ -84,16 +84,12 @@ def tapped_columns(states: mx.array | None, final_width: int, width: int) -> mx.
     return states[..., final_width:final_width + width]
 
 
-def kept_states(blocks: list[mx.array], rows: mx.array) -> list[mx.array]:
-    """`blocks` with `rows` appended, joined into one block past 16: each is a view holding its
-    whole step's [B, W, H] alive."""
-    blocks = [*blocks, rows]
-    return [join_states(blocks)] if len(blocks) > 16 else blocks
-
-
 def join_states(blocks: list[mx.array]) -> mx.array:
-    """Blocks of one row's states, oldest first, joined. Taps installed mid-flight (a request
-    loaded an EAGLE-3 head) widen later blocks; the row keeps the width all blocks share."""
+    """Blocks of one row's states, oldest first, joined once, when read: a row keeps one block a
+    step (a lazy join frees none of them, and joining the history every 16 steps copied it again
+    each time: reading 16 rows' states after 2,000 steps took 10.8 s, in one join 0.6 s). Taps
+    installed mid-flight (a request loaded an EAGLE-3 head) widen later blocks; the row keeps the
+    width all blocks share."""
     if len(blocks) == 1:
         return blocks[0]
     width = min(b.shape[-1] for b in blocks)
