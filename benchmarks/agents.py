@@ -283,6 +283,11 @@ def merged(runs: list[dict]) -> dict:
     return {**median, "answers": runs[0]["answers"] if same else None}
 
 
+def figures(row: dict) -> dict:
+    """A merged row's figures for the JSON table (its answers are compared, not kept)."""
+    return {key: value for key, value in row.items() if key != "answers"}
+
+
 # Workloads that share no text share a server (edit and tools copy the same functions, the two
 # json workloads the same documents: one would draft from the other's answers).
 SERVER_GROUPS = (("chat", "edit", "json"), ("tools", "json-schema"))
@@ -351,11 +356,9 @@ def main(argv=None) -> None:
                     same = "-" if not base or temperature else \
                         ("yes" if r["answers"] is not None and r["answers"] == base["answers"] else "no")
                     table.append({"workload": name, "temperature": temperature, "concurrency": c, "method": m,
-                                  **{key: value for key, value in r.items() if key != "answers"},
-                                  "ratio": median, "ratios": paired, "same_text": same,
+                                  **figures(r), "ratio": median, "ratios": paired, "same_text": same,
                                   # its own server's spec-off arm (--baseline own): its steps and seconds
-                                  **({"own_spec_off": {key: value for key, value in rows[against][name].items()
-                                                       if key != "answers"}} if against != "none" else {})})
+                                  **({"own_spec_off": figures(rows[against][name])} if against != "none" else {})})
                     print(f"| {name} | {temperature:g} | {c} | {m} | {r['tok_s']:.1f} | {ratio} | "
                           f"{r['tokens_per_forward']:.2f} | {r['acceptance']:.2f} | {r['mean_draft']:.2f} | {same} |",
                           flush=True)
