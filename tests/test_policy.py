@@ -281,6 +281,61 @@ def test_a_method_whose_first_trial_missed_every_draft_stops_at_once(head, k_max
     assert rates["adaptive"] >= NEAR_BEST * best, rates
 
 
+SIXTEEN_ROW_COST = [0.100, 0.130, 0.160, 0.190, 0.220]  # a step's seconds at 16 rows, by window
+
+
+def steps_at(policy: Policy, rows: int, steps: int, lands) -> list[bool]:
+    """`steps` steps of `rows` rows of method "m" (k up to 3); a drafting row's first draft lands
+    where `lands(step, row)`, none deeper. -> whether each step drafted."""
+    cost = ONE_ROW_COST if rows == 1 else SIXTEEN_ROW_COST
+    drafted = []
+    for step in range(steps):
+        plan = [PlanRow("m", 3, [0.7, 0.7, 0.7])] * rows
+        ks = policy.plan(plan)
+        committed = [2 if k and lands(step, r) else 1 for r, k in enumerate(ks)]
+        policy.observe_step(plan, ks, cost[max(ks)], committed)
+        drafted.append(any(ks))
+    return drafted
+
+
+def sixteen_row_policy() -> Policy:
+    """one_row_policy() with SIXTEEN_ROW_COST's windows 1, 2 and 5 seeded at 16 rows too."""
+    policy = one_row_policy()
+    for window in (1, 2, 5):
+        policy.costs.seed("" if window == 1 else "m", 16, window, SIXTEEN_ROW_COST[window - 1])
+    return policy
+
+
+def test_a_first_request_that_missed_every_draft_holds_nothing_off_once_drafts_land_elsewhere():
+    """A server's first request (8 tokens at one row, serve.py's warm-up) missed every draft of
+    its method's first trial there, so the method went off at one row before anything landed.
+    Sixteen rows then measure its first drafts landing half the time. The next one-row request
+    drafts from its start, not after 64 plain steps (SmolLM2's MTP through serve: 65 of 105
+    steps plain at one client, the level's whole first request)."""
+    policy = sixteen_row_policy()
+    steps_at(policy, 1, 8, lambda step, row: False)
+    assert policy.explain("m", 1).startswith("off"), policy.explain("m", 1)
+    steps_at(policy, 16, 60, lambda step, row: row % 2 == 0)
+    drafted = steps_at(policy, 1, 32, lambda step, row: step % 2 == 0)
+    assert sum(drafted[:16]) >= 12, drafted
+
+
+@pytest.mark.parametrize("lands_later", [True, False])
+def test_a_first_trial_that_misses_where_drafts_land_elsewhere_runs_on_while_that_is_luck(lands_later):
+    """The method's first drafts land half the time at 16 rows; its first trial at one row misses
+    its first six (a chance of 1 in 64 there). Judged after four steps it would be off for 64;
+    it runs on while its misses may still be luck (a chance over 1 in METHOD_MEMORY), so a
+    request that then lands keeps drafting, and one whose drafts never land at one row is off
+    within eight."""
+    policy = sixteen_row_policy()
+    steps_at(policy, 16, 60, lambda step, row: row % 2 == 0)
+    drafted = steps_at(policy, 1, 40, lambda step, row: lands_later and step >= 6 and step % 2 == 0)
+    if lands_later:
+        assert sum(drafted) >= 36, drafted
+    else:
+        assert 4 < sum(drafted[:16]) <= 8, drafted
+
+
 def test_drafting_while_a_batch_drains_is_priced_at_its_own_row_count():
     """A batch of 16 drains to 9 (one bucket). Plain decoding costs 100 ms a step at 16 rows and
     70 at 9; drafting at 9 rows costs 100 ms for 1.33 tokens a row: 0.93x plain there. Priced at

@@ -12,7 +12,8 @@ more than GUARD_MARGIN, even one standard error of its tokens up, lowers the met
 (its first draft alone, where that would have paid, else off), as do deeper windows trailing what
 its first drafts alone would have paid on the same steps, until a probe, after `interval`
 steps (doubling while re-probes lose), measures it winning; a method the plan leaves idle that long
-is probed too, and nothing is off before a probe measured it. And each
+is probed too, and nothing is off before a probe measured it, nor on misses its drafts landing at
+the method's other batch sizes make luck. And each
 request keeps its pace: one behind plain decoding's pace by GUARD_MARGIN takes no window it
 expects to slow it further (a row that does not draft pays the batch's window all the same)
 while it is the batch's last, else none that slows it more than the batch gains a row; and
@@ -26,7 +27,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from .acceptance import PRIOR_TRIALS, REQUEST_MEMORY, expected_tokens
+from .acceptance import METHOD_MEMORY, PRIOR_TRIALS, REQUEST_MEMORY, expected_tokens
 from .costs import StepCosts, bucket
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ class Guard:
     k_max: float = math.inf  # the most k the plan may give it here: 1 its first draft alone, 0 off
     waited: int = 0  # steps it could have drafted here (or deeper) and did not
     probes: int = 0  # probes judged here, its first trial included
+    drafts: int = 0  # first drafts its steps verified (rows that drafted), since its restart
+    unseen: bool = False  # off on a first trial that missed every draft before any landed elsewhere
     units: dict[int, float] = field(default_factory=dict)  # rows -> tokens committed per row
     squares: float = 0.0  # each step's tokens per row, squared (decayed): their noise
     weight: float = 0.0  # steps, decayed as the rest
@@ -124,7 +127,7 @@ class Guard:
     def restart(self, probe: int = PROBE_STEPS) -> None:
         self.probe_left, self.waited = probe, 0
         self.units, self.firsts, self.squares, self.weight = {}, {}, 0.0, 0.0
-        self.spent_s, self.first_s, self.steps = 0.0, 0.0, 0.0
+        self.spent_s, self.first_s, self.steps, self.drafts = 0.0, 0.0, 0.0, 0
 
 
 class Policy:
@@ -153,6 +156,10 @@ class Policy:
         if not any(fixed) and self._plain_due(len(rows)):
             return fixed
         guards = {m: self.guard(m, len(rows)) for m in free}
+        for m, g in guards.items():  # its first trial's misses were the request's: tried again
+            if g.unseen and self._elsewhere(m, g):
+                g.restart()
+                g.probes, g.unseen = 0, False
         must = [m for m in free if guards[m].probe_left]
         allowed = [m for m in free if guards[m].k_max or guards[m].probe_left]
         cap = {m: math.inf if guards[m].probe_left else guards[m].k_max for m in allowed}
@@ -248,14 +255,15 @@ class Policy:
             guard.spent_s = guard.spent_s * DECAY + seconds / self.costs.load
             guard.first_s = guard.first_s * DECAY + self.costs.base(chain_of(rows, ks), len(rows), 2)
             guard.steps += 1
+            guard.drafts += sum(1 for row, k in zip(rows, ks) if k and row.method == method)
             was, verdict = guard.k_max, None
             if guard.probe_left:
                 guard.probe_left -= 1
                 if not guard.probe_left:
-                    verdict = self._judge(guard, ended_probe=True)
+                    verdict = self._judge(method, guard, ended_probe=True)
             elif guard.steps >= REQUEST_MEMORY:  # a stretch, not a word: a 4-step verdict turned a
                 # head off in its hard stretches where it paid 1.2x overall (simulated)
-                verdict = self._judge(guard, ended_probe=False)
+                verdict = self._judge(method, guard, ended_probe=False)
             if guard.k_max != was:
                 logger.info("%s %s at batch %d: measured %.2fx plain%s", method,
                             {0: "off", 1: "at k <= 1"}.get(guard.k_max, "on"), bucket(len(rows)),
@@ -270,7 +278,7 @@ class Policy:
             return None
         return sum(n * self.costs.base("", rows, 1) for rows, n in units.items()) / spent_s
 
-    def _judge(self, guard: Guard, ended_probe: bool) -> float | None:
+    def _judge(self, method: str, guard: Guard, ended_probe: bool) -> float | None:
         """A probe backs off (losing) or resets the interval and lifts a method's cap; only the
         steps the plan chose to draft can lower it (a probe of a method the plan left idle
         measures a step it did not want), and a first trial none of whose drafts landed: the
@@ -285,7 +293,11 @@ class Policy:
         Else, or losing at k <= 1, it is off. Its deeper windows trailing its first drafts alone
         cap it too (a probe lifts the cap only where they no longer do): SmolLM2's DFlash at four
         rows read 0.90-0.96x its k = 1 through serve, its plan expecting more of the deeper drafts
-        than they gave. -> the speed-up it judged."""
+        than they gave. A first trial none of whose drafts landed, where the method's first drafts
+        land at its other batch sizes, runs on a step at a time while its misses could be their
+        luck; one judged before any landed elsewhere is tried again once they do (serve's first
+        request, 8 tokens at one row, turned SmolLM2's MTP off there for the next level's whole
+        first request: 65 of 105 steps plain). -> the speed-up it judged."""
         speedup, first = self.speedup(guard), self.speedup(guard, first=True)
         losing = self._trails(guard, speedup, 1.0)
         deeper_lose = bool(guard.k_max) and self._trails(guard, speedup, first)  # than its first drafts alone
@@ -296,6 +308,11 @@ class Policy:
             return speedup
         capped = losing or (guard.k_max == 1 and deeper_lose)
         first_trial = not guard.probes
+        elsewhere = self._elsewhere(method, guard)
+        luck = elsewhere > 0 and (1 - elsewhere) ** guard.drafts * METHOD_MEMORY >= 1  # over 1 in 200
+        if capped and first_trial and not guard.landed and luck:
+            guard.probe_left = 1  # judged again a step on: the method's drafts land at other sizes
+            return speedup
         backoff = capped and not first_trial  # a first trial's loss is the warm-up's, not a re-probe's
         guard.interval = min(2 * guard.interval, self.probe_steps[1]) if backoff else self.probe_steps[0]
         guard.probes += 1
@@ -305,7 +322,13 @@ class Policy:
             guard.restart(probe=0)  # its first draft is judged on its own steps, not the probe's
         elif first_trial and not guard.landed:
             self._lower(guard, losing, first_lose)
+            guard.unseen = not elsewhere
         return speedup
+
+    def _elsewhere(self, method: str, guard: Guard) -> float:
+        """How often the method's first drafts landed at its other batch buckets (0: none measured)."""
+        others = [g for (m, _), g in self.guards.items() if m == method and g is not guard and g.weight]
+        return sum(sum(g.firsts.values()) for g in others) / sum(g.weight for g in others) - 1.0 if others else 0.0
 
     @staticmethod
     def _lower(guard: Guard, losing: bool, first_lose: bool) -> None:
