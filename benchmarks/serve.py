@@ -224,7 +224,8 @@ def main() -> None:
     ap.add_argument("--num-draft", type=int, default=4)
     ap.add_argument("--quick", action="store_true", help="1,4 clients, 32 tokens, 1 round")
     ap.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx_lm.server rows")
-    ap.add_argument("--json-out")
+    ap.add_argument("--json-out", help="also write the rows as JSON to F, and each server's log beside it (F's "
+                    "stem + .macspec.log, ...)")
     ap.add_argument("--status-out", help="write macspec's /v1/status engine section after each "
                     "level (the policy's guards and step costs: why adaptive chose what it did)")
     ap.add_argument("--target", default="tiny-wide", choices=("tiny", "tiny-wide", "tiny-moe", "smollm2"))
@@ -360,6 +361,8 @@ def main() -> None:
         print_same_text(table, levels)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(table, indent=2))
+        for log in work.glob("*.log"):  # the policy's verdicts ("mtp off at batch 1: ...") say why a cell drafted less
+            shutil.copy(log, Path(args.json_out).with_suffix(f".{log.name}"))
     shutil.rmtree(work, ignore_errors=True)
 
 
