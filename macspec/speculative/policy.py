@@ -125,7 +125,7 @@ class Guard:
         return "idle" if self.waited else "on"  # idle: by the plan
 
     def restart(self, probe: int = PROBE_STEPS) -> None:
-        self.probe_left, self.waited = probe, 0
+        self.probe_left, self.waited, self.unseen = probe, 0, False
         self.units, self.firsts, self.squares, self.weight = {}, {}, 0.0, 0.0
         self.spent_s, self.first_s, self.steps, self.drafts = 0.0, 0.0, 0.0, 0
 
@@ -159,7 +159,7 @@ class Policy:
         for m, g in guards.items():  # its first trial's misses were the request's: tried again
             if g.unseen and self._elsewhere(m, g):
                 g.restart()
-                g.probes, g.unseen = 0, False
+                g.probes = 0
         must = [m for m in free if guards[m].probe_left]
         allowed = [m for m in free if guards[m].k_max or guards[m].probe_left]
         cap = {m: math.inf if guards[m].probe_left else guards[m].k_max for m in allowed}
