@@ -139,6 +139,36 @@ def test_a_draining_burst_takes_no_window_its_last_request_loses_in(heads, table
     assert_burst_holds(heads, tokens=128, table=table)
 
 
+def test_a_stream_drafts_though_its_last_request_loses_a_little_until_the_batch_shrinks():
+    """Six requests on pace, none joined for 20 steps; the last (the most tokens left) expects to
+    lose 3 % in a window of 2, the others gain 80 %. While none left, the batch may be a stream
+    whose next requests take the finished ones' places (serve's clients send theirs at once):
+    the last's loss is its own, so the window is taken. Holding it once no request had joined for
+    16 steps, adaptive DFlash decoded 87 of 107 four-row SmolLM2 steps plainly in a four-row
+    stream of 8 requests (held: 15 now). Once one leaves and none takes its place, the batch
+    drains and ends with its last request: its loss is everyone's, so the step is plain."""
+    policy = Policy(probe_min_steps=64, probe_max_steps=4096)
+    for _ in range(4):
+        policy.observe_step([PlanRow("m", 0, [])] * 6, [0] * 6, 0.010, [1] * 6)
+    policy.costs.seed("m", 6, 2, 0.0146)
+    policy.costs.seed("", 5, 1, 0.0095)
+    policy.costs.seed("m", 5, 2, 0.0139)
+    paces = [Pace() for _ in range(6)]
+
+    def step(live: list[int]) -> list[int]:
+        rows = [PlanRow("m", 1, [0.42] if i == 5 else [0.8], pace=paces[i], left=60 if i == 5 else 30)
+                for i in live]
+        ks = policy.plan(rows)
+        seconds = policy.costs.seconds("m" if any(ks) else "", len(rows), 1 + max(ks))
+        policy.observe_step(rows, ks, seconds, [k + 1 for k in ks])
+        return ks
+
+    drafted = [step(list(range(6))) for _ in range(20)]
+    assert all(ks == [1] * 6 for ks in drafted[1:]), drafted
+    held = policy.as_dict()["steps_held_by_pace"]
+    assert step([0, 1, 2, 3, 5]) == [0] * 5 and policy.as_dict()["steps_held_by_pace"] == held + 1
+
+
 def test_a_request_unlike_its_methods_others_does_not_slow_a_burst():
     """SmolLM2's MTP at three rows (its step costs through serve), the method's prior warmed on
     another workload: two requests accept 0.3, the third never. The third's decayed evidence
