@@ -206,8 +206,9 @@ class Policy:
         for the quiet alone. While none left, the finished ones' places may be taken at once
         (serve's clients): holding the window for the last, DFlash decoded 87 of 107 four-row
         SmolLM2 steps plainly. While requests join, its newest request (the last) holding every
-        row's window cost 16 tiny-wide rows 2.4 % (simulated). Without the average, one behind request among 16 held every row's window for ~20 steps at a time:
-        tiny-wide through serve, 0.91x k = 1 (prompts that differ; simulated, 0.93x)."""
+        row's window cost 16 tiny-wide rows 2.4 % (simulated). Without the average, one behind
+        request among 16 held every row's window for ~20 steps at a time: tiny-wide through
+        serve, 0.91x k = 1 (prompts that differ; simulated, 0.93x)."""
         behind = [row.pace is not None and row.pace.behind for row in rows]
         last = max(row.left for row in rows)
         drains = last < math.inf and self.since_join >= REQUEST_MEMORY and (probe or len(rows) < self.rows_at_join)
