@@ -193,6 +193,47 @@ def test_a_request_behind_its_pace_holds_the_window_and_status_counts_it():
     assert policy.plan([drafting, PlanRow("none", 0, [], pace=Pace())]) == [1, 0]  # on pace: drafts
 
 
+def test_requests_behind_their_pace_hold_the_batch_each_by_its_own_loss():
+    """16 rows: three requests a little behind their pace each expect to lose 5 % of a plain step
+    in a window of 2, the other 13 to gain 10 %. Each loses less than the rows gain on average, so
+    the window is taken (summed, their losses counted once per row each held every window: 16
+    tiny-moe rows through the engine, 4 held steps in 5 over ~20-step stretches). One request
+    expecting to lose more than the rows gain on average still holds it."""
+    policy = Policy(probe_min_steps=64, probe_max_steps=4096)
+    for _ in range(4):
+        policy.observe_step([PlanRow("m", 0, [])] * 16, [0] * 16, 0.010, [1] * 16)
+    policy.costs.seed("m", 16, 2, 0.015)
+
+    def rows(loser: float, losers: int) -> list[PlanRow]:
+        behind = [PlanRow("m", 1, [loser], pace=Pace(plain_s=1.0, spent_s=1.2, drafted=8), left=10)
+                  for _ in range(losers)]
+        return behind + [PlanRow("m", 1, [0.6], pace=Pace(), left=30) for _ in range(16 - losers)]
+
+    for _ in range(4):  # the bucket's first trial: its drafts land
+        policy.observe_step(rows(0.45, 0), policy.plan(rows(0.45, 0)), 0.015, [2] * 16)
+    assert policy.plan(rows(0.45, 3)) == [1] * 16
+    assert policy.plan(rows(0.2, 1)) == [0] * 16
+
+
+def test_a_probe_measures_a_window_of_2():
+    """A first trial at 16 rows where the table reads deeper windows as paying more: it drafts
+    one token a row, so its misses cost each request half a plain step, within its slack, where a
+    window of 3 (2.09x a plain step) put three tiny-moe requests behind their pace for ~37 steps,
+    holding all 16 rows."""
+    policy = Policy(probe_min_steps=64, probe_max_steps=4096)
+    for _ in range(4):
+        policy.observe_step([PlanRow("m", 0, [])] * 16, [0] * 16, 0.010, [1] * 16)
+    for window, seconds in ((2, 0.015), (5, 0.020)):
+        policy.costs.seed("m", 16, window, seconds)
+    paces = [Pace() for _ in range(16)]
+    for step in range(4):
+        rows = [PlanRow("m", 4, [0.7] * 4, pace=pace, left=60 - step) for pace in paces]
+        ks = policy.plan(rows)
+        assert ks == [1] * 16, (step, ks)
+        policy.observe_step(rows, ks, 0.015, [1] * 16)
+        assert step or not any(pace.behind for pace in paces)
+
+
 def test_a_new_request_whose_first_window_was_rejected_does_not_hold_the_batch():
     """Its one rejected window is luck until it drafted as many steps as the start weighs: through
     serve, such a request (0.6 of a plain step behind) held 16 tiny-moe rows for ~36 steps."""
@@ -277,6 +318,30 @@ def test_deeper_windows_that_pay_less_than_the_first_draft_alone_are_capped_at_i
         spent, tokens = spent + seconds, tokens + sum(committed)
     k1 = 4 * 1.5 / FOUR_ROW_COST[1]
     assert tokens / spent >= 0.95 * k1, (tokens / spent / k1, policy.explain("m", 4))
+    assert policy.explain("m", 4).startswith("capped at batch 4"), policy.explain("m", 4)
+
+
+def test_deeper_windows_are_judged_on_their_own_steps():
+    """One step in four offers three drafts (the plan expects 0.9 of each), the others one: the
+    first draft lands 7 times in 10, the second rarely. The windows of 4 pay 0.86x what their
+    first drafts alone would have, but mixed with the windows of 2 they read within the guard's
+    noise of them (0.96x), and adaptive read 0.955x k = 1; judged on their own steps, they are
+    capped (tiny-moe's MTP at four rows through serve: windows of 3 at 2.37x a plain step for
+    2.23 tokens where windows of 2 paid)."""
+    policy = Policy(probe_min_steps=64, probe_max_steps=4096)
+    for window, seconds in enumerate(FOUR_ROW_COST, 1):
+        policy.costs.seed("" if window == 1 else "m", 4, window, seconds)
+    spent = tokens = 0.0
+    for step in range(1000):
+        offer = 3 if step % 4 == 3 else 1
+        rows = [PlanRow("m", offer, [0.9] * offer) for _ in range(4)]
+        ks = policy.plan(rows)
+        committed = [1 + (k >= 1 and (step + i) % 10 < 7) + (k >= 2 and (step + i) % 10 == 0)
+                     for i, k in enumerate(ks)]
+        policy.observe_step(rows, ks, FOUR_ROW_COST[max(ks)], committed)
+        spent, tokens = spent + FOUR_ROW_COST[max(ks)], tokens + sum(committed)
+    k1 = 4 * 1.7 / FOUR_ROW_COST[1]
+    assert tokens / spent >= 0.97 * k1, (tokens / spent / k1, policy.explain("m", 4))
     assert policy.explain("m", 4).startswith("capped at batch 4"), policy.explain("m", 4)
 
 

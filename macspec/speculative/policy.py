@@ -10,7 +10,7 @@ per second of that method's last drafting steps with what plain decoding costs n
 own row count (a bucket spans rows; a plain step priced when a step ran goes stale): trailing by
 more than GUARD_MARGIN, even one standard error of its tokens up, lowers the method there one rung
 (its first draft alone, where that would have paid, else off), as do deeper windows trailing what
-its first drafts alone would have paid on the same steps, until a probe, after `interval`
+its first drafts alone would have paid on their own steps, until a probe, after `interval`
 steps (doubling while re-probes lose), measures it winning; a method the plan leaves idle that long
 is probed too, and nothing is off before a probe measured it, nor on misses its drafts landing at
 the method's other batch sizes make luck. And each
@@ -32,7 +32,7 @@ from .costs import StepCosts, bucket
 
 logger = logging.getLogger(__name__)
 GUARD_MARGIN = 0.03  # speculation may trail plain by this much before it stops: noise, not loss
-PROBE_STEPS = 4  # speculative steps a probe measures (a first trial too), at the best window >= 2
+PROBE_STEPS = 4  # speculative steps a probe measures (a first trial too), at a window of 2
 GUARD_MEMORY = 64  # steps a guard's comparison spans (a stretch of hard text is not a loss), and
 # how often what the plan does not take is measured again: plain decoding while speculating (today's
 # load, not the calibration's) and, while drafting, the plan's runner-up (costs ~1/64 of a gap)
@@ -101,6 +101,9 @@ class Guard:
     first_s: float = 0.0  # drafts alone would have committed, and a window of 2's seconds
     spent_s: float = 0.0
     steps: float = 0.0
+    deeper: list[float] = field(default_factory=lambda: [0.0] * 5)  # its steps with windows over 2:
+    # tokens per row, what their first drafts alone would have committed, their seconds, a window
+    # of 2's, and how many (decayed as the rest): what the deeper drafts add, on their own steps
 
     @property
     def noise(self) -> float:
@@ -128,6 +131,7 @@ class Guard:
         self.probe_left, self.waited, self.unseen = probe, 0, False
         self.units, self.firsts, self.squares, self.weight = {}, {}, 0.0, 0.0
         self.spent_s, self.first_s, self.steps, self.drafts = 0.0, 0.0, 0.0, 0
+        self.deeper = [0.0] * 5
 
 
 class Policy:
@@ -166,9 +170,10 @@ class Policy:
         allowed = [m for m in free if guards[m].k_max or guards[m].probe_left]
         cap = {m: math.inf if guards[m].probe_left else guards[m].k_max for m in allowed}
         ranked, vetoed = [], 0.0
-        # A probe runs the plan's best window of at least 2: one a request behind its pace
-        # would lose waits for that request to leave (the probe measures, it does not promise).
-        for window in range(2 if must else 1, max(row.k_max for row in rows) + 2):
+        # A probe runs a window of 2: a miss costs a row less than a new request's slack (a window
+        # of 3 put three of 16 tiny-moe rows behind their pace for ~37 steps). One a request behind
+        # its pace would lose waits for that request to leave (it measures, it does not promise).
+        for window in range(2, 3) if must else range(1, max(row.k_max for row in rows) + 2):
             for mask in range(1 << len(allowed)):
                 on = {m for j, m in enumerate(allowed) if mask >> j & 1}
                 if not set(must) <= on or (window > 1) != bool(on):
@@ -197,18 +202,19 @@ class Policy:
     def _slows_a_request(self, rows: list[PlanRow], ks: list[int], probe: bool = False) -> bool:
         """Whether a request expects fewer tokens from this step than plain decoding would commit
         for it in the same seconds, and either is the batch's last (the most tokens left) while
-        behind its pace, or while the batch drains where it is offered drafts, or is behind its
-        pace and loses a larger share of its step than the batch's rows gain on average (its loss
-        counts once per row). A draining burst ends with its last request, so its lost second is
-        everyone's: on pace, at the margin, it paid for the others' windows (SmolLM2's MTP on json
-        at four clients, 0.92x spec off on its own server). The batch drains once no request
-        joined for REQUEST_MEMORY steps and one left since (none took its place); a `probe` waits
-        for the quiet alone. While none left, the finished ones' places may be taken at once
-        (serve's clients): holding the window for the last, DFlash decoded 87 of 107 four-row
-        SmolLM2 steps plainly. While requests join, its newest request (the last) holding every
-        row's window cost 16 tiny-wide rows 2.4 % (simulated). Without the average, one behind
-        request among 16 held every row's window for ~20 steps at a time: tiny-wide through
-        serve, 0.91x k = 1 (prompts that differ; simulated, 0.93x)."""
+        behind its pace, or while the batch drains where it is offered drafts, or is behind its pace
+        and loses a larger share of its step than the batch's rows gain on average (its loss counts
+        once per row; each such request alone: summed, three a little behind held 16 rows). A
+        draining burst ends with its last request, so its lost second is everyone's: on pace, at the
+        margin, it paid for the others' windows (SmolLM2's MTP on json at four clients, 0.92x spec
+        off on its own server). The batch drains once no request joined for REQUEST_MEMORY steps and
+        one left since (none took its place); a `probe` waits for the quiet alone. While none left,
+        the finished ones' places may be taken at once (serve's clients): holding the window for the
+        last, DFlash decoded 87 of 107 four-row SmolLM2 steps plainly. While requests join, its
+        newest request (the last) holding every row's window cost 16 tiny-wide rows 2.4 %
+        (simulated). Without the average, one behind request among 16 held every row's window for
+        ~20 steps at a time: tiny-wide through serve, 0.91x k = 1 (prompts that differ; simulated,
+        0.93x)."""
         behind = [row.pace is not None and row.pace.behind for row in rows]
         last = max(row.left for row in rows)
         drains = last < math.inf and self.since_join >= REQUEST_MEMORY and (probe or len(rows) < self.rows_at_join)
@@ -217,11 +223,12 @@ class Policy:
         plain_s = self.costs.seconds("", len(rows), 1)
         step_s = self.costs.seconds(chain_of(rows, ks), len(rows), max(ks) + 1)
         gains = [expected_tokens(row.alphas, k) * plain_s - step_s for row, k in zip(rows, ks)]
-        if any(g < 0 and row.left >= last and (late or (drains and row.k_max and not row.fixed))
-               for row, g, late in zip(rows, gains, behind)):
+        lost = [late and g < 0 for late, g in zip(behind, gains)]
+        if any(row.left >= last and (lose or (drains and g < 0 and row.k_max and not row.fixed))
+               for row, g, lose in zip(rows, gains, lost)):
             return True
-        losing = [late and g < 0 for late, g in zip(behind, gains)]
-        return any(losing) and sum(g * (len(rows) if lose else 1) for g, lose in zip(gains, losing)) < 0
+        total = sum(gains)
+        return any(lose and total + (len(rows) - 1) * g < 0 for lose, g in zip(lost, gains))
 
     def _plain_due(self, rows: int) -> bool:
         since = self.costs.measured_since(rows)
@@ -259,6 +266,9 @@ class Policy:
             guard.weight = guard.weight * DECAY + 1.0
             guard.spent_s = guard.spent_s * DECAY + seconds / self.costs.load
             guard.first_s = guard.first_s * DECAY + self.costs.base(chain_of(rows, ks), len(rows), 2)
+            deep = [per_row, sum(min(t, 2) for t in tokens) / len(rows), seconds / self.costs.load,
+                    self.costs.base(chain_of(rows, ks), len(rows), 2), 1.0] if max(ks) > 1 else [0.0] * 5
+            guard.deeper = [kept * DECAY + now for kept, now in zip(guard.deeper, deep)]
             guard.steps += 1
             guard.drafts += sum(1 for row, k in zip(rows, ks) if k and row.method == method)
             was, verdict = guard.k_max, None
@@ -298,14 +308,16 @@ class Policy:
         Else, or losing at k <= 1, it is off. Its deeper windows trailing its first drafts alone
         cap it too (a probe lifts the cap only where they no longer do): SmolLM2's DFlash at four
         rows read 0.90-0.96x its k = 1 through serve, its plan expecting more of the deeper drafts
-        than they gave. A first trial none of whose drafts landed, where the method's first drafts
+        than they gave. They are judged on their own steps: mixed with windows of 2, windows of 4
+        paying 0.85x their first drafts alone read within the guard's noise (simulated, 0.955x
+        k = 1). A first trial none of whose drafts landed, where the method's first drafts
         land at its other batch sizes, runs on a step at a time while its misses could be their
         luck; one judged before any landed elsewhere is tried again once they do (serve's first
         request, 8 tokens at one row, turned SmolLM2's MTP off there for the next level's whole
         first request: 65 of 105 steps plain). -> the speed-up it judged."""
         speedup, first = self.speedup(guard), self.speedup(guard, first=True)
         losing = self._trails(guard, speedup, 1.0)
-        deeper_lose = bool(guard.k_max) and self._trails(guard, speedup, first)  # than its first drafts alone
+        deeper_lose = bool(guard.k_max) and self._trails(guard, self._deeper(guard), 1.0)  # than its first drafts alone
         first_lose = self._trails(guard, first, 1.0)  # its first drafts alone, against plain
         if not ended_probe:
             if losing or deeper_lose:
@@ -329,6 +341,13 @@ class Policy:
             self._lower(guard, losing, first_lose)
             guard.unseen = not elsewhere
         return speedup
+
+    @staticmethod
+    def _deeper(guard: Guard) -> float | None:
+        """Its deeper windows' tokens a second over what their first drafts alone would have
+        committed at a window of 2's cost, on the same steps (None: under PRIOR_TRIALS of them)."""
+        tokens, firsts, spent_s, first_s, steps = guard.deeper
+        return tokens * first_s / (firsts * spent_s) if steps >= PRIOR_TRIALS and firsts * spent_s else None
 
     def _elsewhere(self, method: str, guard: Guard) -> float:
         """How often the method's first drafts landed at its other batch buckets (0: none measured)."""
