@@ -259,15 +259,15 @@ class Policy:
             for r in guard.units:
                 guard.units[r] *= DECAY
                 guard.firsts[r] *= DECAY
-            per_row = sum(tokens) / len(rows)
+            per_row, firsts = sum(tokens) / len(rows), sum(min(t, 2) for t in tokens) / len(rows)
+            spent_s, first_s = seconds / self.costs.load, self.costs.base(chain_of(rows, ks), len(rows), 2)
             guard.units[len(rows)] = guard.units.get(len(rows), 0.0) + per_row
-            guard.firsts[len(rows)] = guard.firsts.get(len(rows), 0.0) + sum(min(t, 2) for t in tokens) / len(rows)
+            guard.firsts[len(rows)] = guard.firsts.get(len(rows), 0.0) + firsts
             guard.squares = guard.squares * DECAY + per_row ** 2
             guard.weight = guard.weight * DECAY + 1.0
-            guard.spent_s = guard.spent_s * DECAY + seconds / self.costs.load
-            guard.first_s = guard.first_s * DECAY + self.costs.base(chain_of(rows, ks), len(rows), 2)
-            deep = [per_row, sum(min(t, 2) for t in tokens) / len(rows), seconds / self.costs.load,
-                    self.costs.base(chain_of(rows, ks), len(rows), 2), 1.0] if max(ks) > 1 else [0.0] * 5
+            guard.spent_s = guard.spent_s * DECAY + spent_s
+            guard.first_s = guard.first_s * DECAY + first_s
+            deep = [per_row, firsts, spent_s, first_s, 1.0] if max(ks) > 1 else [0.0] * 5
             guard.deeper = [kept * DECAY + now for kept, now in zip(guard.deeper, deep)]
             guard.steps += 1
             guard.drafts += sum(1 for row, k in zip(rows, ks) if k and row.method == method)
