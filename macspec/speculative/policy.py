@@ -82,28 +82,29 @@ class Pace:
 
 
 @dataclass
-class Guard:
-    """One method at one batch bucket: its drafting steps (decayed), as the tokens they committed
-    per row at each row count and the seconds they took at the table's load (costs.py), priced
-    against plain decoding when read."""
+class Tally:
+    """A guard's drafting steps (decayed): the tokens per row each committed at each row count,
+    what their first drafts alone would have, their seconds at the table's load (costs.py) and a
+    window of 2's there, priced against plain decoding when read (Policy.speedup)."""
 
-    interval: int = 0  # steps before the next probe while off, capped, or left idle by the plan
-    probe_left: int = PROBE_STEPS
-    k_max: float = math.inf  # the most k the plan may give it here: 1 its first draft alone, 0 off
-    waited: int = 0  # steps it could have drafted here (or deeper) and did not
-    probes: int = 0  # probes judged here, its first trial included
-    drafts: int = 0  # first drafts its steps verified (rows that drafted), since its restart
-    unseen: bool = False  # off on a first trial that missed every draft before any landed elsewhere
     units: dict[int, float] = field(default_factory=dict)  # rows -> tokens committed per row
-    squares: float = 0.0  # each step's tokens per row, squared (decayed): their noise
-    weight: float = 0.0  # steps, decayed as the rest
-    firsts: dict[int, float] = field(default_factory=dict)  # rows -> tokens per row its first
-    first_s: float = 0.0  # drafts alone would have committed, and a window of 2's seconds
+    firsts: dict[int, float] = field(default_factory=dict)  # rows -> by their first drafts alone
+    squares: float = 0.0  # each step's tokens per row, squared: their noise
+    weight: float = 0.0  # steps
     spent_s: float = 0.0
-    steps: float = 0.0
-    deeper: list[float] = field(default_factory=lambda: [0.0] * 5)  # its steps with windows over 2:
-    # tokens per row, what their first drafts alone would have committed, their seconds, a window
-    # of 2's, and how many (decayed as the rest): what the deeper drafts add, on their own steps
+    first_s: float = 0.0
+
+    def add(self, rows: int, per_row: float, firsts: float, spent_s: float, first_s: float) -> None:
+        self.units[rows] = self.units.get(rows, 0.0) + per_row
+        self.firsts[rows] = self.firsts.get(rows, 0.0) + firsts
+        self.squares, self.weight = self.squares + per_row ** 2, self.weight + 1.0
+        self.spent_s, self.first_s = self.spent_s + spent_s, self.first_s + first_s
+
+    def decay(self) -> None:
+        for r in self.units:
+            self.units[r], self.firsts[r] = self.units[r] * DECAY, self.firsts[r] * DECAY
+        self.squares, self.weight = self.squares * DECAY, self.weight * DECAY
+        self.spent_s, self.first_s = self.spent_s * DECAY, self.first_s * DECAY
 
     @property
     def noise(self) -> float:
@@ -116,8 +117,25 @@ class Guard:
 
     @property
     def landed(self) -> bool:
-        """Whether any of its measured drafts was accepted (a row committed more than 1 token)."""
+        """Whether any of its drafts was accepted (a row committed more than 1 token)."""
         return sum(self.units.values()) > self.weight * (1.0 + 1e-9)
+
+
+@dataclass
+class Guard:
+    """One method at one batch bucket: its drafting steps, and apart its steps with windows over 2
+    (what the deeper drafts add is judged on their own steps)."""
+
+    interval: int = 0  # steps before the next probe while off, capped, or left idle by the plan
+    probe_left: int = PROBE_STEPS
+    k_max: float = math.inf  # the most k the plan may give it here: 1 its first draft alone, 0 off
+    waited: int = 0  # steps it could have drafted here (or deeper) and did not
+    probes: int = 0  # probes judged here, its first trial included
+    drafts: int = 0  # first drafts its steps verified (rows that drafted), since its restart
+    unseen: bool = False  # off on a first trial that missed every draft before any landed elsewhere
+    steps: int = 0  # its drafting steps since its restart
+    tally: Tally = field(default_factory=Tally)
+    deeper: Tally = field(default_factory=Tally)
 
     @property
     def state(self) -> str:
@@ -129,9 +147,7 @@ class Guard:
 
     def restart(self, probe: int = PROBE_STEPS) -> None:
         self.probe_left, self.waited, self.unseen = probe, 0, False
-        self.units, self.firsts, self.squares, self.weight = {}, {}, 0.0, 0.0
-        self.spent_s, self.first_s, self.steps, self.drafts = 0.0, 0.0, 0.0, 0
-        self.deeper = [0.0] * 5
+        self.steps, self.drafts, self.tally, self.deeper = 0, 0, Tally(), Tally()
 
 
 class Policy:
@@ -144,10 +160,7 @@ class Policy:
         self.rows_at_join = 0  # the batch's rows then: fewer now (none joined since), it drains
 
     def guard(self, method: str, rows: int) -> Guard:
-        key = (method, bucket(rows))
-        if key not in self.guards:
-            self.guards[key] = Guard(interval=self.probe_steps[0])
-        return self.guards[key]
+        return self.guards.setdefault((method, bucket(rows)), Guard(interval=self.probe_steps[0]))
 
     # ---- a step's decision -------------------------------------------------------------------
     def plan(self, rows: list[PlanRow]) -> list[int]:
@@ -157,10 +170,8 @@ class Policy:
         self.rows_at_join = len(rows) if joined else self.rows_at_join
         fixed = [row.k_max if row.fixed else 0 for row in rows]
         free = sorted({row.method for row in rows if not row.fixed and row.k_max > 0})
-        if not free:
-            return fixed
-        if not any(fixed) and self._plain_due(len(rows)):
-            return fixed
+        if not free or not any(fixed) and self._plain_due(len(rows)):
+            return fixed  # nothing to plan, or plain decoding is due its re-measurement
         guards = {m: self.guard(m, len(rows)) for m in free}
         for m, g in guards.items():  # its first trial's misses were the request's: tried again
             if g.unseen and self._elsewhere(m, g):
@@ -256,19 +267,12 @@ class Policy:
                     row.pace.observe(committed, seconds, plain_s, speculative=any(ks), drafted=k > 0)
         for method in {row.method for row, k in zip(rows, ks) if k and not row.fixed}:
             guard = self.guard(method, len(rows))
-            for r in guard.units:
-                guard.units[r] *= DECAY
-                guard.firsts[r] *= DECAY
             per_row, firsts = sum(tokens) / len(rows), sum(min(t, 2) for t in tokens) / len(rows)
             spent_s, first_s = seconds / self.costs.load, self.costs.base(chain_of(rows, ks), len(rows), 2)
-            guard.units[len(rows)] = guard.units.get(len(rows), 0.0) + per_row
-            guard.firsts[len(rows)] = guard.firsts.get(len(rows), 0.0) + firsts
-            guard.squares = guard.squares * DECAY + per_row ** 2
-            guard.weight = guard.weight * DECAY + 1.0
-            guard.spent_s = guard.spent_s * DECAY + spent_s
-            guard.first_s = guard.first_s * DECAY + first_s
-            deep = [per_row, firsts, spent_s, first_s, 1.0] if max(ks) > 1 else [0.0] * 5
-            guard.deeper = [kept * DECAY + now for kept, now in zip(guard.deeper, deep)]
+            for tally, ran in ((guard.tally, True), (guard.deeper, max(ks) > 1)):
+                tally.decay()
+                if ran:
+                    tally.add(len(rows), per_row, firsts, spent_s, first_s)
             guard.steps += 1
             guard.drafts += sum(1 for row, k in zip(rows, ks) if k and row.method == method)
             was, verdict = guard.k_max, None
@@ -284,11 +288,11 @@ class Policy:
                             {0: "off", 1: "at k <= 1"}.get(guard.k_max, "on"), bucket(len(rows)),
                             verdict or 0.0, "" if guard.k_max == math.inf else f"; probed within {guard.interval} steps")
 
-    def speedup(self, guard: Guard, first: bool = False) -> float | None:
+    def speedup(self, tally: Tally, first: bool = False) -> float | None:
         """Its steps' tokens at what a plain step costs at each one's row count, over the seconds
         they took, both at the table's load (None: plain decoding never measured). `first`: what
         their first drafts alone would have committed, over what windows of 2 cost in the table."""
-        units, spent_s = (guard.firsts, guard.first_s) if first else (guard.units, guard.spent_s)
+        units, spent_s = (tally.firsts, tally.first_s) if first else (tally.units, tally.spent_s)
         if not spent_s or not self.costs.knows(""):
             return None
         return sum(n * self.costs.base("", rows, 1) for rows, n in units.items()) / spent_s
@@ -315,9 +319,11 @@ class Policy:
         luck; one judged before any landed elsewhere is tried again once they do (serve's first
         request, 8 tokens at one row, turned SmolLM2's MTP off there for the next level's whole
         first request: 65 of 105 steps plain). -> the speed-up it judged."""
-        speedup, first = self.speedup(guard), self.speedup(guard, first=True)
+        speedup, first = self.speedup(guard.tally), self.speedup(guard.tally, first=True)
         losing = self._trails(guard, speedup, 1.0)
-        deeper_lose = bool(guard.k_max) and self._trails(guard, self._deeper(guard), 1.0)  # than its first drafts alone
+        deeper = guard.deeper  # its windows over 2, against what their first drafts alone would have paid
+        deeper_lose = bool(guard.k_max) and deeper.weight >= PRIOR_TRIALS and self._trails(
+            guard, self.speedup(deeper), self.speedup(deeper, first=True))
         first_lose = self._trails(guard, first, 1.0)  # its first drafts alone, against plain
         if not ended_probe:
             if losing or deeper_lose:
@@ -327,7 +333,7 @@ class Policy:
         first_trial = not guard.probes
         elsewhere = self._elsewhere(method, guard)
         luck = elsewhere > 0 and (1 - elsewhere) ** guard.drafts * METHOD_MEMORY >= 1  # over 1 in 200
-        if capped and first_trial and not guard.landed and luck:
+        if capped and first_trial and not guard.tally.landed and luck:
             guard.probe_left = 1  # judged again a step on: the method's drafts land at other sizes
             return speedup
         backoff = capped and not first_trial  # a first trial's loss is the warm-up's, not a re-probe's
@@ -337,22 +343,15 @@ class Policy:
             guard.k_max = math.inf
         elif guard.k_max == 1:
             guard.restart(probe=0)  # its first draft is judged on its own steps, not the probe's
-        elif first_trial and not guard.landed:
+        elif first_trial and not guard.tally.landed:
             self._lower(guard, losing, first_lose)
             guard.unseen = not elsewhere
         return speedup
 
-    @staticmethod
-    def _deeper(guard: Guard) -> float | None:
-        """Its deeper windows' tokens a second over what their first drafts alone would have
-        committed at a window of 2's cost, on the same steps (None: under PRIOR_TRIALS of them)."""
-        tokens, firsts, spent_s, first_s, steps = guard.deeper
-        return tokens * first_s / (firsts * spent_s) if steps >= PRIOR_TRIALS and firsts * spent_s else None
-
     def _elsewhere(self, method: str, guard: Guard) -> float:
         """How often the method's first drafts landed at its other batch buckets (0: none measured)."""
-        others = [g for (m, _), g in self.guards.items() if m == method and g is not guard and g.weight]
-        return sum(sum(g.firsts.values()) for g in others) / sum(g.weight for g in others) - 1.0 if others else 0.0
+        others = [g for (m, _), g in self.guards.items() if m == method and g is not guard and g.tally.weight]
+        return sum(sum(g.tally.firsts.values()) for g in others) / sum(g.tally.weight for g in others) - 1.0 if others else 0.0
 
     @staticmethod
     def _lower(guard: Guard, losing: bool, first_lose: bool) -> None:
@@ -370,7 +369,7 @@ class Policy:
         proposer whose drafts never land commits 1 every step: no noise, stopped at once."""
         if speedup is None or bar is None:
             return False
-        return speedup * (1.0 + guard.noise) < (1.0 - GUARD_MARGIN) * bar
+        return speedup * (1.0 + guard.tally.noise) < (1.0 - GUARD_MARGIN) * bar
 
     # ---- reporting ---------------------------------------------------------------------------
     def explain(self, method: str, rows: int = 1) -> str:
@@ -378,7 +377,7 @@ class Policy:
         guard = self.guards.get((method, bucket(rows)))
         if guard is None:
             return "not measured yet"
-        speedup = self.speedup(guard)
+        speedup = self.speedup(guard.tally)
         measured = f"measured {speedup:.2f}x plain" if speedup else "not measured yet"
         if guard.state in ("off", "idle", "capped"):
             why = {"idle": " (no gain expected at the measured acceptance)",
@@ -390,7 +389,7 @@ class Policy:
     def as_dict(self) -> dict:
         guards: dict = {}
         for (method, b), g in sorted(self.guards.items()):
-            speedup = self.speedup(g)
+            speedup = self.speedup(g.tally)
             guards.setdefault(method, {})[str(b)] = {
                 "state": g.state, "speedup": round(speedup, 3) if speedup else None,
                 "probe_interval": g.interval}
