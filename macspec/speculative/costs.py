@@ -145,21 +145,13 @@ class StepCosts:
 
 def _at_or_below(points: dict[int, float], x: int) -> float:
     """The nearest known point at or below x (the lowest one above it, with none below)."""
-    below = [p for p in points if p <= x]
-    return points[max(below)] if below else points[min(points)]
+    return points[max((p for p in points if p <= x), default=min(points))]
 
 
 def _interpolate(points: dict[int, float], x: int) -> float | None:
     """Linear between the nearest known points around x; flat beyond them; None with none."""
     if not points:
         return None
-    below = [p for p in points if p <= x]
-    above = [p for p in points if p >= x]
-    if not below:
-        return points[min(above)]
-    if not above:
-        return points[max(below)]
-    lo, hi = max(below), min(above)
-    if lo == hi:
-        return points[lo]
-    return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+    lo = max((p for p in points if p <= x), default=min(points))  # none below: the lowest, flat
+    hi = min((p for p in points if p >= x), default=max(points))  # none above: the highest
+    return points[lo] if lo == hi else points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)

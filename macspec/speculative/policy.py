@@ -94,17 +94,19 @@ class Tally:
     spent_s: float = 0.0
     first_s: float = 0.0
 
-    def add(self, rows: int, per_row: float, firsts: float, spent_s: float, first_s: float) -> None:
-        self.units[rows] = self.units.get(rows, 0.0) + per_row
-        self.firsts[rows] = self.firsts.get(rows, 0.0) + firsts
-        self.squares, self.weight = self.squares + per_row ** 2, self.weight + 1.0
-        self.spent_s, self.first_s = self.spent_s + spent_s, self.first_s + first_s
-
-    def decay(self) -> None:
+    def observe(self, rows: int, *step: float) -> None:
+        """Ages what it holds, then adds `step` if given: (tokens per row, by their first drafts
+        alone, its seconds, a window of 2's)."""
         for r in self.units:
             self.units[r], self.firsts[r] = self.units[r] * DECAY, self.firsts[r] * DECAY
         self.squares, self.weight = self.squares * DECAY, self.weight * DECAY
         self.spent_s, self.first_s = self.spent_s * DECAY, self.first_s * DECAY
+        if step:
+            per_row, firsts, spent_s, first_s = step
+            self.units[rows] = self.units.get(rows, 0.0) + per_row
+            self.firsts[rows] = self.firsts.get(rows, 0.0) + firsts
+            self.squares, self.weight = self.squares + per_row ** 2, self.weight + 1.0
+            self.spent_s, self.first_s = self.spent_s + spent_s, self.first_s + first_s
 
     @property
     def noise(self) -> float:
@@ -267,12 +269,10 @@ class Policy:
                     row.pace.observe(committed, seconds, plain_s, speculative=any(ks), drafted=k > 0)
         for method in {row.method for row, k in zip(rows, ks) if k and not row.fixed}:
             guard = self.guard(method, len(rows))
-            per_row, firsts = sum(tokens) / len(rows), sum(min(t, 2) for t in tokens) / len(rows)
-            spent_s, first_s = seconds / self.costs.load, self.costs.base(chain_of(rows, ks), len(rows), 2)
-            for tally, ran in ((guard.tally, True), (guard.deeper, max(ks) > 1)):
-                tally.decay()
-                if ran:
-                    tally.add(len(rows), per_row, firsts, spent_s, first_s)
+            step = (sum(tokens) / len(rows), sum(min(t, 2) for t in tokens) / len(rows),
+                    seconds / self.costs.load, self.costs.base(chain_of(rows, ks), len(rows), 2))
+            guard.tally.observe(len(rows), *step)
+            guard.deeper.observe(len(rows), *(step if max(ks) > 1 else ()))  # its windows over 2 apart
             guard.steps += 1
             guard.drafts += sum(1 for row, k in zip(rows, ks) if k and row.method == method)
             was, verdict = guard.k_max, None
