@@ -23,7 +23,7 @@ from .costs import StepCosts
 
 COSTS_FILE = "step-costs.json"  # in the cache dir
 KEYS_KEPT = 32  # (models, settings, machine) entries; the least recently saved go first
-CACHE_SCHEMA = 2  # bump when what a cell means changes
+CACHE_SCHEMA = 3  # bump when what a cell means changes (3: tables before it ratcheted; costs.py)
 
 
 # ---- the step-cost table ---------------------------------------------------------------------
