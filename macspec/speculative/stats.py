@@ -40,28 +40,18 @@ class SpecStats:
     def tokens_per_forward(self) -> float:
         return self.num_emitted / self.num_steps if self.num_steps else 0.0
 
-    @property
-    def mean_k(self) -> float:
-        return self.num_drafted / self.num_steps if self.num_steps else 0.0
-
-    @property
-    def mean_draft_length(self) -> float:
-        """Drafts per step that drafted at all (a suffix proposer's length follows its match)."""
-        return self.num_drafted / self.num_spec_steps if self.num_spec_steps else 0.0
-
-    def acceptance_by_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
-
     def as_dict(self) -> dict:
+        by_position = [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
         return {
             "target_forwards": self.num_steps,
             "speculative_steps": self.num_spec_steps,
             "drafted": self.num_drafted,
             "accepted": self.num_accepted,
             "acceptance_rate": round(self.acceptance_rate, 4),
-            "acceptance_by_position": [round(a, 4) for a in self.acceptance_by_position()],
+            "acceptance_by_position": [round(a, 4) for a in by_position],
             "tokens_per_forward": round(self.tokens_per_forward, 4),
-            "mean_k": round(self.mean_k, 3),
-            "mean_draft_length": round(self.mean_draft_length, 3),
+            "mean_k": round(self.num_drafted / max(self.num_steps, 1), 3),
+            # drafts per step that drafted at all (a suffix proposer's length follows its match)
+            "mean_draft_length": round(self.num_drafted / max(self.num_spec_steps, 1), 3),
             "k_histogram": {str(k): v for k, v in sorted(self.k_histogram.items())},
         }
