@@ -14,10 +14,8 @@ from .config import Profile
 from .engine.launch import build_engine
 from .sampling import SamplingParams
 from .models.detokenizer import IncrementalDecoder
-from .paths import state_dir
 from . import progress
 from .progress import phase
-PRIORS_FILE = "acceptance-priors.json"  # per model pair, in the state dir
 
 # CLI flag -> profile key it overrides (CLI flag > profile > default).
 FLAG_KEYS = {
@@ -84,8 +82,8 @@ def run_once(profile: Profile, prompt: str, opts: RunOptions) -> dict:
     apply_flags(profile, opts)
     params = SamplingParams.from_config(profile.sampling)
     engine = build_engine(profile, max_batch=1)
-    save_priors = engine.remembered_priors(state_dir() / PRIORS_FILE)
     try:
+        engine.remember_priors()
         if profile.speculative.adaptive and profile.speculative.method != "none":
             engine.calibrate()
 
@@ -97,9 +95,7 @@ def run_once(profile: Profile, prompt: str, opts: RunOptions) -> dict:
             return engine.speculator.policy.explain(method) + (
                 "" if prior is None else f" (k started from earlier runs' acceptance {prior:.2f})")
 
-        result = _stream(profile, engine.runtime, prompt, opts, steps, explain)
-        save_priors()
-        return result
+        return _stream(profile, engine.runtime, prompt, opts, steps, explain)
     finally:
         engine.close()
 

@@ -1,12 +1,14 @@
 """Speculation in a shared batch: each proposer drafts for all of its rows in one forward per
 chain step, the whole step reads back in one host sync, and the controller starts a request
-from what its method earned before (the daemon in memory, `macspec run` from the state dir)."""
+from what its method earned before (in memory, and across restarts from the state dir)."""
 
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
+import requests
 
 from macspec.engine.launch import calibrated_engine
 from macspec.engine.runtime import Runtime
@@ -18,6 +20,7 @@ from macspec.proposers import METHODS
 
 from .conftest import engine_for, generate, tiny_runtime
 from .modeldirs import random_copy_of_embedded
+from .serverutil import Foreground
 
 pytestmark = pytest.mark.slow
 
@@ -86,7 +89,9 @@ def test_a_new_request_starts_from_the_methods_prior(tmp_path, prompts):
     assert second.stats["spec"]["drafted"] < first.stats["spec"]["drafted"] / 4, (first.stats, second.stats)
 
 
-def test_run_saves_and_reloads_its_acceptance_priors(isolated_home):
+def test_run_and_a_restarted_server_start_from_the_acceptance_earlier_runs_measured(isolated_home):
+    """`macspec run` keeps what each method accepted; the next run and `macspec serve` start
+    there (not at the optimistic default), and the server keeps what it measured when it stops."""
     from click.testing import CliRunner
 
     from macspec.cli import main
@@ -104,3 +109,15 @@ def test_run_saves_and_reloads_its_acceptance_priors(isolated_home):
     again = CliRunner().invoke(main, ["run", "def parse(self, text):", "--max-tokens", "2", "--json"])
     stats = json.loads(again.output.strip().splitlines()[-1])
     assert stats["spec"]["acceptance_estimate"]["drafts"][0] < 0.2  # the saved prior, not 0.7
+    server = Foreground(isolated_home)  # `macspec serve` on the same home
+    try:
+        status = requests.get(server.url + "/v1/status", timeout=10).json()["engine"]
+        assert status["acceptance_priors"]["draft"]["drafts"][0] < 0.2  # before any request
+        body = {"prompt": "def parse(self, text):", "max_tokens": 24,
+                "speculative": {"num_draft_tokens": 4, "adaptive": False}}
+        assert requests.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    finally:
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.wait() == 0, server.log.read_text()
+    kept = json.loads((isolated_home / "state" / "acceptance-priors.json").read_text())[key]
+    assert kept[0] > 0.05, kept  # the server's drafts, measured and kept for the next start

@@ -24,9 +24,9 @@ from ..kv.disk import open_store
 from ..kv.prefix import PrefixCache
 from ..models.view import join_states
 from ..monitor.memory import MB, KVBudget
-from ..paths import cache_dir
+from ..paths import cache_dir, state_dir
 from ..speculative.calibrate import calibrate
-from ..speculative.kept import COSTS_FILE, cost_key, load_costs, save_costs
+from ..speculative.kept import COSTS_FILE, PRIORS_FILE, cost_key, load_costs, save_costs
 from ..speculative.speculator import Speculator
 from . import window
 from .blocking import BlockingAPI
@@ -64,7 +64,9 @@ class Engine(BlockingAPI):
         self.fatal_reason: str | None = None
         self.on_fatal = None  # called after fatal() (the service wakes its thread)
         self.live_counts = {"running": 0, "prefilling": 0, "waiting": 0}  # replaced, never mutated
-        self._costs_kept: tuple[str, int, float] | None = None  # cost key, steps then, when saved
+        self._cost_key: str | None = None  # after calibrate(): the step-cost table is kept under it
+        self._save_priors: Callable[[], None] | None = None  # after remember_priors()
+        self._kept: tuple[int, float] = (-1, 0.0)  # the step clock and the time when last kept
 
     @property
     def tp_size(self) -> int:
@@ -276,8 +278,8 @@ class Engine(BlockingAPI):
             self.on_fatal()
 
     def close(self, clean: bool = True) -> None:
-        """Keep the step costs; stop the watchdog and (tensor parallelism) end the peers."""
-        self.keep_step_costs(every_s=0.0)
+        """Keep what this run measured; stop the watchdog and (tensor parallelism) end the peers."""
+        self.keep_measurements(every_s=0.0)
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.tp is not None:
@@ -285,10 +287,10 @@ class Engine(BlockingAPI):
 
     def idle(self, heartbeat_s: float) -> None:
         self.scheduler.persist()  # nothing waits on the disk writes now
-        self.keep_step_costs()  # a daemon that is killed keeps what it measured
+        self.keep_measurements()  # a daemon that is killed keeps what it measured
         self.runner.idle(heartbeat_s)
 
-    # ---- calibration and reporting -----------------------------------------------------
+    # ---- calibration, what runs keep, reporting ----------------------------------------
     def calibrate(self) -> None:
         """Seed the step-cost table: from the last run of these models with these settings on
         this machine (kept.py), else by timing the target forward and the proposer."""
@@ -297,25 +299,32 @@ class Engine(BlockingAPI):
         if calibrate(self.speculator, self.runner, self.runtime.method, self.max_batch,
                      load_costs(path, key)):
             logger.info("step costs from %s (an earlier run's; re-measured as steps run)", path)
-        self._costs_kept = (key, -1, 0.0)
+        self._cost_key = key
 
-    def keep_step_costs(self, every_s: float = 60.0) -> None:
-        """Save the step-cost table for the next start (after calibrate(); when steps ran)."""
-        if self._costs_kept is None:
-            return
-        key, clock, saved = self._costs_kept
+    def remember_priors(self) -> None:
+        """Start each method's acceptance where earlier runs of this model pair left it (the
+        state dir), not at the optimistic default, and keep this run's there as it measures."""
+        self._save_priors = self.speculator.remembered_priors(state_dir() / PRIORS_FILE,
+                                                              self.runtime.target.path)
+        if self.speculator.remembered:
+            logger.info("acceptance from earlier runs: %s", ", ".join(
+                f"{m} {a:.2f}" for m, a in sorted(self.speculator.remembered.items())))
+
+    def keep_measurements(self, every_s: float = 60.0) -> None:
+        """Save the step-cost table (after calibrate()) and the acceptance priors (after
+        remember_priors()) for the next start, when steps ran since they were last saved."""
         costs = self.speculator.policy.costs
-        if costs.clock != clock and time.monotonic() - saved >= every_s:
-            self._costs_kept = (key, costs.clock, time.monotonic())
-            try:
-                save_costs(cache_dir() / COSTS_FILE, key, costs)
-            except Exception:  # bookkeeping: never a request's or a shutdown's failure
-                logger.warning("could not save the step costs", exc_info=True)
-
-    def remembered_priors(self, path) -> Callable[[], None]:
-        """Load the acceptance priors saved at `path` for this model pair; -> a function that
-        saves them back (call it when done)."""
-        return self.speculator.remembered_priors(path, self.runtime.target.path)
+        clock, saved = self._kept
+        if costs.clock == clock or time.monotonic() - saved < every_s:
+            return
+        self._kept = (costs.clock, time.monotonic())
+        try:
+            if self._cost_key is not None:
+                save_costs(cache_dir() / COSTS_FILE, self._cost_key, costs)
+            if self._save_priors is not None:
+                self._save_priors()
+        except Exception:  # bookkeeping: never a request's or a shutdown's failure
+            logger.warning("could not save what this run measured", exc_info=True)
 
     def status(self) -> dict:
         """A snapshot; call it from the thread that steps the engine (the service does)."""

@@ -36,6 +36,7 @@ def start_engine(profile: Profile, max_batch: int | None = None, calibrate: bool
     """The engine in its own thread, for `serve`."""
     engine = build_engine(profile, max_batch)
     try:
+        engine.remember_priors()  # a restarted daemon starts each method where it left off
         service = EngineService(engine)
         service.start(calibrate=calibrate)
     except BaseException as exc:

@@ -1,8 +1,8 @@
 """What a run keeps for the next, on disk: the step-cost table, under a key of what sets a step's
 cost (the models' parameter shapes and dtypes, the method, k_max, the batch, the ranks, the
 machine and its threads), from which calibrate.py seeds the next start; and each model pair's
-acceptance prior, from which `macspec run` starts each prompt at the k the pair earned before
-(the daemon keeps both in memory). Bookkeeping: an unreadable file is no file, a failed write
+acceptance prior, from which `run` and `serve` start each method at the acceptance the pair
+measured before (the engine saves both when idle and when it closes). Bookkeeping: an unreadable file is no file, a failed write
 is logged, never raised."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from ..paths import read_json, update_json
 from .costs import StepCosts
 
 COSTS_FILE = "step-costs.json"  # in the cache dir
+PRIORS_FILE = "acceptance-priors.json"  # in the state dir (measured, not rebuildable)
 KEYS_KEPT = 32  # (models, settings, machine) entries; the least recently saved go first
 CACHE_SCHEMA = 3  # bump when what a cell means changes (3: tables before it ratcheted; costs.py)
 
