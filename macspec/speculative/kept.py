@@ -2,8 +2,8 @@
 cost (the models' parameter shapes and dtypes, the method, k_max, the batch, the ranks, the
 machine and its threads), from which calibrate.py seeds the next start; and each model pair's
 acceptance prior, from which `run` and `serve` start each method at the acceptance the pair
-measured before (the engine saves both when idle and when it closes). Bookkeeping: an unreadable file is no file, a failed write
-is logged, never raised."""
+measured before (the engine saves both when idle and when it closes). Bookkeeping: an unreadable
+file is no file, a failed write is logged, never raised."""
 
 from __future__ import annotations
 
