@@ -166,7 +166,7 @@ def speculation(url: str, method: str) -> dict:
     prefill_s, decode_s = engine_seconds(engine)
     return {"forwards": forwards, "emitted": spec.get("tokens_per_forward", 0.0) * forwards,
             **{key: spec.get(key, 0) for key in ("drafted", "accepted", "speculative_steps")},
-            "prefill_s": prefill_s, "decode_s": decode_s, "catch_up_s": engine.get("catch_up_s", 0.0),
+            "prefill_s": prefill_s, "decode_s": decode_s, "catch_up_s": engine["catch_up_s"],
             "steps_by_window": engine["steps_by_window"]}
 
 
@@ -275,7 +275,7 @@ def miss_line(name: str, c: int, method: str, runs: list[dict], base: list[dict]
     proposer's joins and catch-ups among them (once per request that drafts, and per plain stretch:
     SmolLM2's heads join a 400-token prompt in 9-36 ms), and its steps."""
     def seconds(rs: list[dict], key: str) -> float:
-        return sum(r[name].get(key, 0.0) for r in rs)
+        return sum(r[name][key] for r in rs)
 
     return (f"- {name}, c = {c}, {method}: engine decode {seconds(runs, 'decode_s'):.2f} s (spec off "
             f"{seconds(base, 'decode_s'):.2f}; joins and catch-ups {seconds(runs, 'catch_up_s'):.2f}), "
