@@ -268,6 +268,29 @@ def test_a_head_runs_only_for_rows_that_draft(runtime_for, prompts, monkeypatch,
     assert drafting.tokens == plain and calls and drafting.stats["spec"]["accepted"] > 0
 
 
+@pytest.mark.parametrize("method", ["mtp", "eagle3", "dflash"])
+def test_a_head_joins_a_long_prompt_with_its_newest_positions(runtime_for, prompts, monkeypatch, method):
+    """A head takes a request's context at its first draft from its newest
+    speculative.head_context positions (the target's states there carry the rest): a prompt many
+    times that long feeds it no more, its drafts land about as often as with the whole prompt
+    joined (head_context = 0), and the output is plain decoding's."""
+    runtime = runtime_for(method)
+    prompt = [t for p in prompts[:8] for t in p]
+    plain = Engine(runtime, max_batch=2).generate([prompt], PLAIN, 32, method="none")[0].tokens
+    runs = {}
+    for context in (16, 0):
+        monkeypatch.setattr(runtime.profile.speculative, "head_context", context)
+        engine = Engine(runtime, max_batch=2)
+        done = engine.generate([prompt], PLAIN, 32, method=method, num_draft=2, adaptive=False)[0]
+        assert done.tokens == plain
+        runs[context] = (done.stats["spec"], engine.status()["proposers"][method])
+    (bounded, joins), (whole, all_joins) = runs[16], runs[0]
+    assert len(prompt) > 8 * 16 and joins["joins"] == all_joins["joins"] == 1
+    assert joins["joined_positions"] <= 16 < len(prompt) - 2 <= all_joins["joined_positions"]
+    rate = lambda spec: spec["accepted"] / spec["drafted"]
+    assert rate(bounded) >= 0.8 * rate(whole), (rate(bounded), rate(whole))
+
+
 @pytest.mark.parametrize("method", ["draft", "mtp", "eagle3", "dflash"])
 def test_a_proposer_idle_for_stretches_drafts_as_well(runtime_for, prompts, method):
     """A row that decodes plainly for its first steps (adaptive k at 0), drafts, decodes plainly

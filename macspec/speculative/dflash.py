@@ -65,7 +65,7 @@ def load(runtime, method: str, fallback: bool = True) -> None:
 
 
 def make_group(runtime, method: str, vocab_size: int) -> "DFlashGroup":
-    return DFlashGroup(runtime.dflash_drafter, runtime.view, vocab_size)
+    return DFlashGroup(runtime.dflash_drafter, runtime.view, vocab_size, runtime.profile.speculative.head_context)
 
 
 def kv_bytes_per_token(runtime, method: str) -> int:
@@ -81,10 +81,11 @@ class DFlashGroup(MTPGroup):
     method = "dflash"
     block_drafts = True
 
-    def __init__(self, drafter: DFlashDrafter, view: ModelView, vocab_size: int):
+    def __init__(self, drafter: DFlashDrafter, view: ModelView, vocab_size: int, context: int = 0):
         ChainGroup.__init__(self, BatchKV([0] * len(drafter.layers)), vocab_size)
         self.drafter = drafter
         self.view = view
+        self._keep_context(context)
         self.config = drafter.config
         self.chain_k_max = self.config.block_size - 1
         self.rows: dict[int, MTPRow] = {}

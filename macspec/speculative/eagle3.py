@@ -56,7 +56,7 @@ def load(runtime, method: str, fallback: bool = True) -> None:
 
 
 def make_group(runtime, method: str, vocab_size: int) -> "Eagle3Group":
-    return Eagle3Group(runtime.eagle3_head, runtime.view, vocab_size)
+    return Eagle3Group(runtime.eagle3_head, runtime.view, vocab_size, runtime.profile.speculative.head_context)
 
 
 def kv_bytes_per_token(runtime, method: str) -> int:
@@ -68,11 +68,12 @@ def kv_bytes_per_token(runtime, method: str) -> int:
 class Eagle3Group(MTPGroup):
     method = "eagle3"
 
-    def __init__(self, head: Eagle3Head, view: ModelView, vocab_size: int):
+    def __init__(self, head: Eagle3Head, view: ModelView, vocab_size: int, context: int = 0):
         self.layout_cache = lambda: [KVCache()]
         super(MTPGroup, self).__init__(BatchKV(layout_of(self.layout_cache())), vocab_size)
         self.head = head
         self.view = view
+        self._keep_context(context)
         self.rows = {}
         self.state = None
         self.target_width = int(view.inner.norm.weight.shape[0])
