@@ -122,9 +122,9 @@ class SpeculativeConfig:
     allow_fallback: bool = spec(False, _bool, "use n-gram when the draft is incompatible")
     mtp_dequantize: bool = spec(False, _bool, "method = mtp: unpack a quantized MTP head to the "
                                 "compute dtype (default: it runs quantized, as stored)")
-    head_context: int = spec(256, _range(0, integer=True), "MTP, EAGLE-3, DFlash: the newest positions "
-                             "of a request's context its head takes at its first draft (the "
-                             "target's states there carry the rest); 0 = all")
+    head_context: int = spec(0, _range(0, integer=True), "MTP, EAGLE-3, DFlash: the newest positions "
+                             "of a request's context its head takes at its first draft; 0 = all "
+                             "(measure first: benchmarks/head_context.py)")
 
 
 @dataclass
