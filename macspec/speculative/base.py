@@ -246,5 +246,14 @@ class ChainGroup(ProposerGroup):
         return [layer.buffers for layer in self.kv.leaves if layer.buffers is not None]
 
 
+def kept_bytes(runtime, per_token: int) -> int:
+    """What a proposer keeps of left rows' KV (their prefixes, for the next turn): as many
+    tokens' worth as the target's prefix cache holds, at the proposer's bytes a token."""
+    from ..monitor.memory import compute_dtype_bytes, kv_bytes_per_token
+
+    target = kv_bytes_per_token(runtime.target.config, compute_dtype_bytes(runtime.target.model))
+    return runtime.profile.kv.prefix_cache_mb * 2**20 * per_token // max(target, 1)
+
+
 def pad_rows(rows: list[list[int]], width: int) -> mx.array:
     return mx.array([r + [0] * (width - len(r)) for r in rows], dtype=mx.int32)

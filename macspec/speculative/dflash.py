@@ -23,7 +23,7 @@ from ..models.dflash import DFlashDrafter, OutputHead, build_drafter, read_draft
 from ..models.view import ModelView, tap_layers, tapped_columns
 from ..monitor.memory import compute_dtype_bytes
 from ..progress import phase
-from .base import ChainGroup, ChainRow, Offer
+from .base import ChainGroup, ChainRow, Offer, kept_bytes
 from .mtp import MTPGroup, MTPRow
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,8 @@ def load(runtime, method: str, fallback: bool = True) -> None:
 
 
 def make_group(runtime, method: str, vocab_size: int) -> "DFlashGroup":
-    return DFlashGroup(runtime.dflash_drafter, runtime.view, vocab_size, runtime.profile.speculative.head_context)
+    return DFlashGroup(runtime.dflash_drafter, runtime.view, vocab_size, runtime.profile.speculative.head_context,
+                       kept_bytes(runtime, kv_bytes_per_token(runtime, method)))
 
 
 def kv_bytes_per_token(runtime, method: str) -> int:
@@ -81,11 +82,12 @@ class DFlashGroup(MTPGroup):
     method = "dflash"
     block_drafts = True
 
-    def __init__(self, drafter: DFlashDrafter, view: ModelView, vocab_size: int, context: int = 0):
+    def __init__(self, drafter: DFlashDrafter, view: ModelView, vocab_size: int, context: int = 0,
+                 kept_bytes: int = 0):
         ChainGroup.__init__(self, BatchKV([0] * len(drafter.layers)), vocab_size)
         self.drafter = drafter
         self.view = view
-        self._keep_context(context)
+        self._keep_context(context, kept_bytes)
         self.config = drafter.config
         self.chain_k_max = self.config.block_size - 1
         self.rows: dict[int, MTPRow] = {}
@@ -103,10 +105,13 @@ class DFlashGroup(MTPGroup):
     def offer(self, row: ChainRow, alphas) -> Offer:
         return Offer(min(row.k, self.chain_k_max), chained=True)
 
-    def _join_now(self, key, committed, states, hidden_start=0) -> None:
-        """The context so far (the columns the drafter reads) written into a fresh row (its last
-        committed token is the first block's head)."""
-        caches = [KVCache() for _ in self.drafter.layers]
+    def _fresh_cache(self) -> list:
+        return [KVCache() for _ in self.drafter.layers]
+
+    def _join_now(self, key, committed, states, hidden_start=0, cache=None, reused=0) -> None:
+        """The context so far (the columns the drafter reads) written into a fresh row (or one
+        holding `reused` kept positions); its last committed token is the first block's head."""
+        caches = cache if cache is not None else self._fresh_cache()
         count = 0 if states is None else states.shape[0]
         if count:
             ctx = self.drafter.hidden_norm(self.drafter.fc(states[None].astype(self._dtype)))
@@ -114,10 +119,11 @@ class DFlashGroup(MTPGroup):
         else:  # nothing to feed: one scratch position gives the caches their shapes
             ctx = mx.zeros((1, 1, self.config.hidden_size), dtype=self._dtype)
             start = mx.array([0])
-        for layer, cache in zip(self.drafter.layers, caches):
-            cache.update_and_fetch(*layer.self_attn.keys_values(ctx, start))
+        if count or not reused:
+            for layer, layer_cache in zip(self.drafter.layers, caches):
+                layer_cache.update_and_fetch(*layer.self_attn.keys_values(ctx, start))
         mx.eval([c.state for c in caches])
-        self._add(key, caches, count)
+        self._add(key, caches, reused + count)
         self.rows[key] = MTPRow(hidden_start + count if count else len(committed) - 1, MAX_PENDING_ROWS)
 
     def _can_draft(self, row: ChainRow) -> bool:

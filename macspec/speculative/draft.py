@@ -20,7 +20,7 @@ from ..models.loader import load_model
 from ..models.view import ModelView
 from ..monitor.memory import compute_dtype_bytes, kv_bytes_per_token as model_kv_bytes
 from ..progress import phase
-from .base import ChainGroup, ChainRow, pad_rows
+from .base import ChainGroup, ChainRow, kept_bytes, pad_rows
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +48,8 @@ def load(runtime, method: str, fallback: bool = True) -> None:
 
 
 def make_group(runtime, method: str, vocab_size: int) -> "DraftGroup":
-    # The draft keeps as many tokens' KV as the target's prefix cache can (its bytes per token
-    # are the draft's share of the target's).
-    target = model_kv_bytes(runtime.target.config, compute_dtype_bytes(runtime.target.model))
-    kept_bytes = runtime.profile.kv.prefix_cache_mb * 2**20 * kv_bytes_per_token(runtime, method) // max(target, 1)
-    return DraftGroup(runtime.draft.model, vocab_size, runtime.profile.kv.prefill_chunk, kept_bytes)
+    return DraftGroup(runtime.draft.model, vocab_size, runtime.profile.kv.prefill_chunk,
+                      kept_bytes(runtime, kv_bytes_per_token(runtime, method)))
 
 
 def kv_bytes_per_token(runtime, method: str) -> int:

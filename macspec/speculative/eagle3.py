@@ -21,6 +21,7 @@ from ..models.eagle3 import Eagle3Head, build_head, read_head
 from ..models.view import ModelView, tap_layers, tapped_columns
 from ..monitor.memory import compute_dtype_bytes
 from ..progress import phase
+from .base import kept_bytes
 from .mtp import MTPGroup
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,8 @@ def load(runtime, method: str, fallback: bool = True) -> None:
 
 
 def make_group(runtime, method: str, vocab_size: int) -> "Eagle3Group":
-    return Eagle3Group(runtime.eagle3_head, runtime.view, vocab_size, runtime.profile.speculative.head_context)
+    return Eagle3Group(runtime.eagle3_head, runtime.view, vocab_size, runtime.profile.speculative.head_context,
+                       kept_bytes(runtime, kv_bytes_per_token(runtime, method)))
 
 
 def kv_bytes_per_token(runtime, method: str) -> int:
@@ -68,12 +70,12 @@ def kv_bytes_per_token(runtime, method: str) -> int:
 class Eagle3Group(MTPGroup):
     method = "eagle3"
 
-    def __init__(self, head: Eagle3Head, view: ModelView, vocab_size: int, context: int = 0):
+    def __init__(self, head: Eagle3Head, view: ModelView, vocab_size: int, context: int = 0, kept_bytes: int = 0):
         self.layout_cache = lambda: [KVCache()]
         super(MTPGroup, self).__init__(BatchKV(layout_of(self.layout_cache())), vocab_size)
         self.head = head
         self.view = view
-        self._keep_context(context)
+        self._keep_context(context, kept_bytes)
         self.rows = {}
         self.state = None
         self.target_width = int(view.inner.norm.weight.shape[0])
