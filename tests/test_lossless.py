@@ -319,7 +319,7 @@ def test_a_proposer_idle_for_stretches_drafts_as_well(runtime_for, prompts, meth
     assert acceptance(later) >= 0.8 * acceptance(early), (acceptance(later), acceptance(early))
 
 
-@pytest.mark.parametrize("method", ["mtp", "eagle3", "dflash"])
+@pytest.mark.parametrize("method", ["mtp", "eagle3", "dflash", "mtp+suffix"])
 def test_the_next_turn_of_a_conversation_feeds_a_head_its_new_positions(runtime_for, prompts, method):
     """A head keeps the KV of rows that left, by the tokens that made it: the next turn (the
     prompt, its answer and a new message) feeds the head its new positions only, not the whole

@@ -71,6 +71,9 @@ class HybridGroup(ProposerGroup):
     def observe(self, key, hidden) -> None:
         self.model.observe(key, hidden)
 
+    def status(self) -> dict:
+        return self.model.status()  # its model's joins and kept prefixes (suffix shows none)
+
     def cache_arrays(self) -> list:
         return self.model.cache_arrays()
 
