@@ -5,7 +5,7 @@ the whole conversation through /v1/chat/completions (streamed) and the time to t
 content chunk is taken, with the reported cached tokens.
 
 With --method (a head: mtp, eagle3, dflash) both servers keep the prefix cache and draft k = 1
-every step; the second starts every row's head from nothing instead of from the head's KV that
+every step (--adaptive: as the profile decides); the second starts every row's head from nothing instead of from the head's KV that
 earlier turns left (MTPGroup's kept prefixes): each turn's seconds, and the positions its head
 joined (/v1/status), side by side.
 
@@ -75,7 +75,7 @@ def head_turns(args) -> None:
     """The same conversation through a head whose kept prefixes serve the next turn, and not."""
     from macspec.speculative import mtp
 
-    drafting = {"speculative": {"method": args.method, "num_draft_tokens": 1, "adaptive": False}}
+    drafting = {"speculative": {"method": args.method, **({} if args.adaptive else {"num_draft_tokens": 1, "adaptive": False})}}
     rows, kept = {}, mtp.MTPGroup._kept_prefix
     for name, extra in (("kept", drafting), ("not kept", drafting), ("spec off", {"speculative": {"method": "none"}})):
         if name == "not kept":
@@ -87,7 +87,7 @@ def head_turns(args) -> None:
                 rows[name] = conversation(server.url, system, args.max_tokens, extra)
         finally:
             mtp.MTPGroup._kept_prefix = kept
-    print(f"{args.profile}, {args.method} at k = 1, {args.max_tokens} tokens a turn, greedy")
+    print(f"{args.profile}, {args.method} {'adaptive' if args.adaptive else 'at k = 1'}, {args.max_tokens} tokens a turn, greedy")
     print("| turn | prompt tokens | cached | head joined: kept / not | turn s: kept / not / spec off | "
           "not ÷ kept | spec off ÷ kept |")
     print("|---|---|---|---|---|---|---|")
@@ -102,6 +102,7 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=2000)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--method", default="none", help="a head: its kept prefixes on and off")
+    parser.add_argument("--adaptive", action="store_true", help="with --method: the profile's adaptive k, not k = 1")
     args = parser.parse_args()
     if args.method != "none":
         return head_turns(args)
