@@ -118,22 +118,25 @@ def workloads() -> dict[str, list[dict]]:
     """Workload -> its requests' bodies (without the sampling and speculative fields)."""
     edit = [{"messages": [{"role": "user", "content": f"```python\n{code}```\n\n"
                            + EDITS[i % 3].format(new=f"compute_{i}")}]} for i, code in enumerate(FUNCTIONS)]
-    tools = []
-    for i, code in enumerate(FUNCTIONS):
-        path = f"src/util_{i}.py"
-        call = {"id": f"call_{i}", "type": "function",
-                "function": {"name": "read_file", "arguments": json.dumps({"path": path})}}
-        tools.append({"tools": [TOOL], "messages": [
-            {"role": "user", "content": f"Fix the bug in {path} and show the fixed file."},
-            {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": f"call_{i}", "content": code},
-            {"role": "user", "content": "Now show the whole file again with the fix."}]})
+    tools = [tool_loop(i, f"src/util_{i}.py", code) for i, code in enumerate(FUNCTIONS)]
     extract = [{"messages": [{"role": "user", "content": f"{doc}\n\nRestate every fact above as one JSON "
                               "object with descriptive keys."}]} for doc in DOCUMENTS]
     schema = [{**body, "response_format": {"type": "json_schema", "json_schema": {
         "name": "facts", "schema": FACTS_SCHEMA}}} for body in extract]
     plain = [{"messages": [{"role": "user", "content": q}]} for q in QUESTIONS]
     return {"edit": edit, "tools": tools, "json": extract, "json-schema": schema, "chat": plain}
+
+
+def tool_loop(i: int, path: str, code: str) -> dict:
+    """A tool loop replayed: the model read `path` (its call i), the tool returned `code`, and
+    the user asks for the whole file again with the fix."""
+    call = {"id": f"call_{i}", "type": "function",
+            "function": {"name": "read_file", "arguments": json.dumps({"path": path})}}
+    return {"tools": [TOOL], "messages": [
+        {"role": "user", "content": f"Fix the bug in {path} and show the fixed file."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": f"call_{i}", "content": code},
+        {"role": "user", "content": "Now show the whole file again with the fix."}]}
 
 
 async def post(session, url: str, body: dict) -> dict:

@@ -22,19 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def requests() -> dict[str, list[dict]]:
     """The agents' workloads and `long`: the tools loop with a file of many functions."""
-    from benchmarks.agents import FUNCTIONS, TOOL, workloads
+    from benchmarks.agents import FUNCTIONS, tool_loop, workloads
 
     out = workloads()
-    functions = FUNCTIONS * 4
-    out["long"] = []
-    for i in range(3):
-        call = {"id": f"call_{i}", "type": "function",
-                "function": {"name": "read_file", "arguments": json.dumps({"path": f"src/m{i}.py"})}}
-        out["long"].append({"tools": [TOOL], "messages": [
-            {"role": "user", "content": f"Fix the bug in src/m{i}.py and show the fixed file."},
-            {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": f"call_{i}", "content": "\n\n".join(functions[i:])},
-            {"role": "user", "content": "Now show the whole file again with the fix."}]})
+    out["long"] = [tool_loop(i, f"src/m{i}.py", "\n\n".join((FUNCTIONS * 4)[i:])) for i in range(3)]
     return out
 
 

@@ -16,6 +16,8 @@ from typing import Callable
 import mlx.core as mx
 
 from ..kv.batched import BatchKV
+from ..kv.cache import leaves
+from ..kv.prefix import PrefixCache
 from ..sampling import (Rng, RowContext, SamplingParams, fast_exp, processed_logits, processed_logprobs,
                         sample_from_probs)
 
@@ -134,9 +136,11 @@ class ChainGroup(ProposerGroup):
 
     lazy_chain = True
 
-    def __init__(self, kv: BatchKV, vocab_size: int):
+    def __init__(self, kv: BatchKV, vocab_size: int, kept_bytes: int = 0):
         self.kv = kv
         self.vocab_size = vocab_size  # the target's: drafts beyond it could never be accepted
+        self.kept = PrefixCache(kept_bytes)  # which left rows' KV is kept, by the tokens that made it
+        self.kept_kv: dict[int, list[tuple[mx.array, ...]]] = {}  # kept entry -> its KV
         self.row_keys: list[int] = []
         # rows joined but not yet taken on (start_rows), with what join() kept for them
         self.waiting: dict[int, object] = {}
@@ -187,6 +191,20 @@ class ChainGroup(ProposerGroup):
 
     def _forget(self, key: int) -> None:
         """Drop per-row state kept beside the KV."""
+
+    def _keep_row(self, key: int, tokens: list[int], length: int) -> None:
+        """A leaving row's first `length` positions of KV kept under `tokens`, for the next turn
+        of its conversation (the least recently used go first)."""
+        entry, dropped = self.kept.store(tokens, self.kv.row_nbytes(length))
+        for old in dropped:
+            self.kept_kv.pop(old, None)
+        if entry is not None:
+            self.kept_kv[entry] = self.kv.export_row(self.row_keys.index(key), length)
+
+    def _copy_kept(self, cache: list, entry: int, length: int) -> None:
+        """A kept entry's first `length` positions into a new row's cache."""
+        for layer_cache, arrays in zip(leaves(cache), self.kept_kv[entry]):
+            layer_cache.update_and_fetch(*(a[:, :, :length] for a in arrays))
 
     @abstractmethod
     def _first_logits(self, rows: list[ChainRow]) -> mx.array:

@@ -84,10 +84,10 @@ class DFlashGroup(MTPGroup):
 
     def __init__(self, drafter: DFlashDrafter, view: ModelView, vocab_size: int, context: int = 0,
                  kept_bytes: int = 0):
-        ChainGroup.__init__(self, BatchKV([0] * len(drafter.layers)), vocab_size)
+        ChainGroup.__init__(self, BatchKV([0] * len(drafter.layers)), vocab_size, kept_bytes)
         self.drafter = drafter
         self.view = view
-        self._keep_context(context, kept_bytes)
+        self._keep_context(context)
         self.config = drafter.config
         self.chain_k_max = self.config.block_size - 1
         self.rows: dict[int, MTPRow] = {}

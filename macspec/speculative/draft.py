@@ -13,8 +13,7 @@ import logging
 
 from ..errors import IncompatibleDraftError, MacspecError
 from ..kv.batched import BatchKV, layout_of
-from ..kv.cache import eval_cache, leaves, make_trimmable_cache
-from ..kv.prefix import PrefixCache
+from ..kv.cache import eval_cache, make_trimmable_cache
 from ..models.compat import check_draft_compatible
 from ..models.loader import load_model
 from ..models.view import ModelView
@@ -61,15 +60,13 @@ class DraftGroup(ChainGroup):
     method = "draft"
 
     def __init__(self, model: nn.Module, vocab_size: int, prefill_chunk: int = 512, kept_bytes: int = 0):
-        super().__init__(BatchKV(layout_of(make_trimmable_cache(model))), vocab_size)
+        super().__init__(BatchKV(layout_of(make_trimmable_cache(model))), vocab_size, kept_bytes)
         self.model = model
         self.view = ModelView(model)
         self.final_states: bool | None = None  # see _logits_from_hidden
         self.prefill_chunk = prefill_chunk
         self.fed: dict[int, int] = {}  # row -> committed tokens its KV holds
         self.tokens: dict[int, list[int]] = {}  # row -> its request's committed tokens
-        self.kept = PrefixCache(kept_bytes)  # which left rows' draft KV is kept, by their tokens
-        self.kept_kv: dict[int, list[tuple[mx.array, ...]]] = {}  # kept entry -> its KV
 
     def join(self, key, committed, prompt_hidden, hidden_start=0) -> None:
         # The draft's own prefill waits for the row's first proposal: a row whose speculation
@@ -81,8 +78,7 @@ class DraftGroup(ChainGroup):
         cache = make_trimmable_cache(self.model)
         reused, entry = self.kept.lookup(row.committed)  # at most len(prompt) tokens
         if entry is not None:
-            for layer_cache, arrays in zip(leaves(cache), self.kept_kv[entry]):
-                layer_cache.update_and_fetch(*(a[:, :, :reused] for a in arrays))
+            self._copy_kept(cache, entry, reused)
         for start in range(reused, len(prompt), self.prefill_chunk):
             self.model(mx.array(prompt[start:start + self.prefill_chunk])[None], cache=cache)
             eval_cache(cache)
@@ -92,12 +88,8 @@ class DraftGroup(ChainGroup):
 
     def leave(self, key: int) -> None:
         if key in self.row_keys and self.kept.max_bytes:
-            index, fed = self.row_keys.index(key), self.fed[key]
-            entry, dropped = self.kept.store(self.tokens[key][:fed], self.kv.row_nbytes(fed))
-            for old in dropped:
-                self.kept_kv.pop(old, None)
-            if entry is not None:
-                self.kept_kv[entry] = self.kv.export_row(index, fed)
+            fed = self.fed[key]
+            self._keep_row(key, self.tokens[key][:fed], fed)
         super().leave(key)
 
     def _forget(self, key: int) -> None:

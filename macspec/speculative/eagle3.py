@@ -72,10 +72,10 @@ class Eagle3Group(MTPGroup):
 
     def __init__(self, head: Eagle3Head, view: ModelView, vocab_size: int, context: int = 0, kept_bytes: int = 0):
         self.layout_cache = lambda: [KVCache()]
-        super(MTPGroup, self).__init__(BatchKV(layout_of(self.layout_cache())), vocab_size)
+        super(MTPGroup, self).__init__(BatchKV(layout_of(self.layout_cache())), vocab_size, kept_bytes)
         self.head = head
         self.view = view
-        self._keep_context(context, kept_bytes)
+        self._keep_context(context)
         self.rows = {}
         self.state = None
         self.target_width = int(view.inner.norm.weight.shape[0])

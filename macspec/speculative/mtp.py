@@ -15,8 +15,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..kv.batched import BatchKV, layout_of
-from ..kv.cache import cache_arrays, eval_cache, leaves, make_trimmable_cache
-from ..kv.prefix import PrefixCache
+from ..kv.cache import cache_arrays, eval_cache, make_trimmable_cache
 from ..models.checkpoint import load_mtp_head
 from ..models.mtp import MTPHead
 from ..models.view import ModelView
@@ -96,18 +95,16 @@ class MTPGroup(ChainGroup):
 
     def __init__(self, head: MTPHead, view: ModelView, vocab_size: int, context: int = 0, kept_bytes: int = 0):
         self.layout_cache = lambda: make_trimmable_cache(view.model)[-1:]
-        super().__init__(BatchKV(layout_of(self.layout_cache())), vocab_size)
+        super().__init__(BatchKV(layout_of(self.layout_cache())), vocab_size, kept_bytes)
         self.head = head
         self.view = view
         self.rows: dict[int, MTPRow] = {}
         self.state: mx.array | None = None  # the head's output state chained to the next step
-        self._keep_context(context, kept_bytes)
+        self._keep_context(context)
 
-    def _keep_context(self, context: int, kept_bytes: int) -> None:
+    def _keep_context(self, context: int) -> None:
         self.context = context or math.inf  # a joining row's newest states kept (0: all)
         self.joins = self.joined_positions = 0  # for status(): rows joined, positions that fed
-        self.kept = PrefixCache(kept_bytes)  # left rows' head KV, by the tokens that made it
-        self.kept_kv: dict[int, list[tuple[mx.array, ...]]] = {}  # kept entry -> its KV
         self.tokens: dict[int, list[int]] = {}  # row -> its request's committed tokens
 
     def _fresh_cache(self) -> list:
@@ -144,8 +141,7 @@ class MTPGroup(ChainGroup):
         reused = min(matched - 1, kept.next_position + kept.num_pending - 1)
         if entry is None or reused <= 0 or kept.next_position > reused:
             return cache, 0
-        for layer_cache, arrays in zip(leaves(cache), self.kept_kv[entry]):
-            layer_cache.update_and_fetch(*(a[:, :, :reused] for a in arrays))
+        self._copy_kept(cache, entry, reused)
         if reused > kept.next_position:
             kept.take(reused - kept.next_position)
         return cache, reused
@@ -153,14 +149,9 @@ class MTPGroup(ChainGroup):
     def leave(self, key: int) -> None:
         """A row whose head KV follows its tokens from position 0 without a gap keeps it, by them."""
         if key in self.row_keys and key in self.tokens and self.kept.max_bytes:
-            index = self.row_keys.index(key)
-            fed = self.kv.lengths[index]
+            fed = self.kv.lengths[self.row_keys.index(key)]
             if fed == self.rows[key].next_position:  # no gap: position j is state j's
-                entry, dropped = self.kept.store(self.tokens[key][:fed + 1], self.kv.row_nbytes(fed))
-                for old in dropped:
-                    self.kept_kv.pop(old, None)
-                if entry is not None:
-                    self.kept_kv[entry] = self.kv.export_row(index, fed)
+                self._keep_row(key, self.tokens[key][:fed + 1], fed)
         super().leave(key)
 
     def status(self) -> dict:
