@@ -6,6 +6,7 @@ it off, a useless one stops drafting, the output never changes."""
 
 from __future__ import annotations
 
+import random
 import re
 
 import pytest
@@ -683,3 +684,19 @@ def test_a_proposer_first_asked_for_by_a_request_has_its_chain_timed(profile_nam
     k_max = runtime.profile.speculative.num_draft_tokens
     ms = {chain: float(str(table[chain]["1"][str(k_max + 1)]).split()[0]) for chain in ("none", "eagle3")}
     assert ms["eagle3"] > ms["none"] + 0.1 * k_max, table
+
+
+def test_a_probe_held_by_its_requests_pace_still_reports_what_was_measured():
+    """One request (`macspec run`) whose head costs nearly a target step: its first trial puts it
+    behind plain decoding's pace, so later probes wait for it and restart on their interval.
+    Once measured, its stats line says what the head measured at every step, never "not
+    measured yet" (the GLM-5 replica's MTP head: windows of 2 at ~1.9x a plain step)."""
+    policy, pace, rng = Policy(probe_min_steps=16, probe_max_steps=64), Pace(), random.Random(0)
+    said = []
+    for _ in range(300):
+        row = PlanRow("m", 1, [0.75], pace=pace)
+        k = policy.plan([row])[0]
+        policy.observe_step([row], [k], 0.007 * (1.9 if k else 1.0), [1 + (k and rng.random() < 0.75)])
+        said.append(policy.explain("m"))
+    assert "not measured yet" not in " ".join(said[10:]), [s for s in said if "not measured" in s][:2]
+    assert re.match(r"\w+ at batch 1: (last )?measured 0\.\d+x plain", said[-1]), said[-1]

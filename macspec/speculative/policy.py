@@ -135,6 +135,7 @@ class Guard:
     probes: int = 0  # probes judged here, its first trial included
     drafts: int = 0  # first drafts its steps verified (rows that drafted), since its restart
     unseen: bool = False  # off on a first trial that missed every draft before any landed elsewhere
+    last: float | None = None  # the speed-up its steps measured last: what a status shows after a restart
     steps: int = 0  # its drafting steps since its restart
     tally: Tally = field(default_factory=Tally)
     deeper: Tally = field(default_factory=Tally)
@@ -255,6 +256,7 @@ class Policy:
                 continue
             guard.waited += 1
             if guard.waited >= guard.interval:  # off, or idle by the plan: measure it again
+                guard.last = self.speedup(guard.tally) or guard.last
                 guard.restart()
 
     # ---- a step's measurement ----------------------------------------------------------------
@@ -320,6 +322,7 @@ class Policy:
         request, 8 tokens at one row, turned SmolLM2's MTP off there for the next level's whole
         first request: 65 of 105 steps plain). -> the speed-up it judged."""
         speedup, first = self.speedup(guard.tally), self.speedup(guard.tally, first=True)
+        guard.last = guard.last if speedup is None else speedup
         losing = self._trails(guard, speedup, 1.0)
         deeper = guard.deeper  # its windows over 2, against what their first drafts alone would have paid
         deeper_lose = bool(guard.k_max) and deeper.weight >= PRIOR_TRIALS and self._trails(
@@ -378,7 +381,8 @@ class Policy:
         if guard is None:
             return "not measured yet"
         speedup = self.speedup(guard.tally)
-        measured = f"measured {speedup:.2f}x plain" if speedup else "not measured yet"
+        measured = (f"measured {speedup:.2f}x plain" if speedup else f"last measured {guard.last:.2f}x plain"
+                    if guard.last else "not measured yet")  # a probe starts its tally afresh
         if guard.state in ("off", "idle", "capped"):
             why = {"idle": " (no gain expected at the measured acceptance)",
                    "capped": " at its first draft (its deeper windows lost)"}.get(guard.state, "")
@@ -389,7 +393,7 @@ class Policy:
     def as_dict(self) -> dict:
         guards: dict = {}
         for (method, b), g in sorted(self.guards.items()):
-            speedup = self.speedup(g.tally)
+            speedup = self.speedup(g.tally) or g.last  # restarted: what it measured before
             guards.setdefault(method, {})[str(b)] = {
                 "state": g.state, "speedup": round(speedup, 3) if speedup else None,
                 "probe_interval": g.interval}
