@@ -142,6 +142,7 @@ class ChainGroup(ProposerGroup):
         self.kept = PrefixCache(kept_bytes)  # which left rows' KV is kept, by the tokens that made it
         self.kept_kv: dict[int, list[tuple[mx.array, ...]]] = {}  # kept entry -> its KV
         self.row_keys: list[int] = []
+        self.tokens: dict[int, list[int]] = {}  # row -> its request's committed tokens (a leaving row's key)
         # rows joined but not yet taken on (start_rows), with what join() kept for them
         self.waiting: dict[int, object] = {}
         self.depth = 0  # chain steps fed in the last proposal (rolled back by settle)
@@ -161,6 +162,7 @@ class ChainGroup(ProposerGroup):
         for row in rows:
             if row.k and row.key in self.waiting:
                 self._take_on(row, self.waiting.pop(row.key))
+                self.tokens[row.key] = row.committed
         by_key = {row.key: row for row in rows}
         ordered = [by_key[key] for key in self.row_keys]
         if any(len(row.committed) > self.reach.get(row.key, len(row.committed)) for row in ordered):
@@ -187,6 +189,7 @@ class ChainGroup(ProposerGroup):
             self.kv.remove_row(index)
             del self.row_keys[index]
             self.reach.pop(key, None)
+            self.tokens.pop(key, None)
             self._forget(key)
 
     def _forget(self, key: int) -> None:

@@ -66,7 +66,6 @@ class DraftGroup(ChainGroup):
         self.final_states: bool | None = None  # see _logits_from_hidden
         self.prefill_chunk = prefill_chunk
         self.fed: dict[int, int] = {}  # row -> committed tokens its KV holds
-        self.tokens: dict[int, list[int]] = {}  # row -> its request's committed tokens
 
     def join(self, key, committed, prompt_hidden, hidden_start=0) -> None:
         # The draft's own prefill waits for the row's first proposal: a row whose speculation
@@ -84,7 +83,6 @@ class DraftGroup(ChainGroup):
             eval_cache(cache)
         self._add(key, cache, len(prompt))
         self.fed[key] = len(prompt)
-        self.tokens[key] = row.committed
 
     def leave(self, key: int) -> None:
         if key in self.row_keys and self.kept.max_bytes:
@@ -94,7 +92,6 @@ class DraftGroup(ChainGroup):
 
     def _forget(self, key: int) -> None:
         self.fed.pop(key, None)
-        self.tokens.pop(key, None)
 
     def status(self) -> dict:
         return {"kept_prefixes": self.kept.as_dict()}

@@ -105,7 +105,6 @@ class MTPGroup(ChainGroup):
     def _keep_context(self, context: int) -> None:
         self.context = context or math.inf  # a joining row's newest states kept (0: all)
         self.joins = self.joined_positions = 0  # for status(): rows joined, positions that fed
-        self.tokens: dict[int, list[int]] = {}  # row -> its request's committed tokens
 
     def _fresh_cache(self) -> list:
         return self.layout_cache()
@@ -127,7 +126,6 @@ class MTPGroup(ChainGroup):
         cache, reused = self._kept_prefix(row.committed, kept)
         start, count = kept.next_position, kept.num_pending
         self._join_now(row.key, row.committed, kept.take() if count else None, start, cache, reused)
-        self.tokens[row.key] = row.committed
         self.joins, self.joined_positions = self.joins + 1, self.joined_positions + count
 
     def _kept_prefix(self, committed: list[int], kept: MTPRow) -> tuple[list, int]:
@@ -183,7 +181,6 @@ class MTPGroup(ChainGroup):
 
     def _forget(self, key: int) -> None:
         self.rows.pop(key, None)
-        self.tokens.pop(key, None)
 
     def _head_pass(self, tokens: mx.array, hidden: mx.array, cache, outputs: bool = True):
         """The head over these positions, kept in `cache`. Where no output is read (a join, the
