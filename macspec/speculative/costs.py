@@ -37,6 +37,11 @@ and tables saved over many runs priced windows of 3-5 there at 3.0-3.4x a plain 
 cost 1.2-1.3x. Adaptive n-gram then drafted one token a step at 0.91 acceptance (agents' tools at
 one client, 1.39-1.52x spec off in two repeats of three, 2.01x in the third; 2.27x fresh).
 
+A cell's first YOUNG steps read as their median, and plain decoding runs that often at a batch
+bucket before anything drafts there (policy.py): a guard compared with one plain step for its
+next 64, and one stalled 3x by a busy machine (10 ms on a 4 ms step) had a random draft, a window of
+2 costing 1.8x a plain step, read 1.29x plain and draft 45 of a request's 47 steps (tiny, CI).
+
 Cells are kept apart from the machine's load: how much slower than its cell each step ran,
 followed over LOAD_MEMORY steps and shared by every cell. A cell is read at today's load, so one
 not run while a neighbour slowed the machine reads slower too: before, only the cells a loaded
@@ -51,11 +56,13 @@ stretches of 4-63 steps, by the table and by the guard; tests/test_policy.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 
 COST_MEMORY = 16.0  # steps a cell averages over: a step's noise (±15 % here) averages out
 LOAD_MEMORY = 4.0  # steps the machine's load is followed over: a neighbour's burst lasts seconds
 ONE_OFF = 4.0  # a step this many times its cell's expected cost did one-off work (a GPU's kernels)
+YOUNG = 3  # a cell's first steps read as their median, and plain decoding is measured that often
 
 
 def bucket(rows: int) -> int:
@@ -69,6 +76,8 @@ class Cell:
     seconds: float
     steps: float = 0.0  # real steps averaged (decayed); 0: a calibration seed
     last: int = 0  # the step counter when it was last measured
+    first: list[float] = field(default_factory=list)  # its first YOUNG steps' seconds (÷ load)
+    rescaled: bool = False  # its first step rescaled the seeds at its row count (it was a seed)
 
 
 class StepCosts:
@@ -92,13 +101,22 @@ class StepCosts:
         if fresh:
             if cell is not None:  # a seed's first real step: the other seeds at its row count
                 self._rescale_seeds(rows, seconds / self.load / cell.seconds)  # lacked the same host work
-            self.cells[(chain, rows, window)] = Cell(seconds / self.load, 1.0, self.clock)
+            self.cells[(chain, rows, window)] = Cell(seconds / self.load, 1.0, self.clock, [seconds / self.load],
+                                                     rescaled=cell is not None)
+            return True
+        cell.last = self.clock
+        if cell.steps < YOUNG:  # one slow step is the machine's, not the cell's: their median
+            cell.first.append(seconds / self.load)
+            cell.steps, cell.seconds = cell.steps + 1.0, statistics.median(cell.first)
+            if cell.steps == YOUNG:
+                if cell.rescaled:  # by its first step alone: now by their median
+                    self._rescale_seeds(rows, cell.seconds / cell.first[0])
+                cell.first = []
             return True
         if cell.steps >= COST_MEMORY:  # the load is read off cells measured well (see above)
             self.load *= (seconds / (cell.seconds * self.load)) ** (1.0 / LOAD_MEMORY)
         cell.steps = min(cell.steps + 1.0, COST_MEMORY)
         cell.seconds += (seconds / self.load - cell.seconds) / cell.steps
-        cell.last = self.clock
         return True
 
     def seed(self, chain: str, rows: int, window: int, seconds: float) -> None:
@@ -114,6 +132,11 @@ class StepCosts:
     def knows(self, chain: str) -> bool:
         """Whether any cell of `chain` was seeded or measured."""
         return any(c == chain for c, _, _ in self.cells)
+
+    def plain_steps(self, rows: int) -> float:
+        """Plain steps measured at this batch bucket (a cell's counted up to COST_MEMORY)."""
+        return sum(cell.steps for (chain, r, window), cell in self.cells.items()
+                   if not chain and window == 1 and bucket(r) == bucket(rows))
 
     def measured_since(self, rows: int) -> int | None:
         """Steps since a plain step was measured at this batch bucket (None: never)."""

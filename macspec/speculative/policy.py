@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 
 from .acceptance import METHOD_MEMORY, PRIOR_TRIALS, REQUEST_MEMORY, expected_tokens
-from .costs import StepCosts, bucket
+from .costs import YOUNG, StepCosts, bucket
 
 logger = logging.getLogger(__name__)
 GUARD_MARGIN = 0.03  # speculation may trail plain by this much before it stops: noise, not loss
@@ -245,8 +245,9 @@ class Policy:
         return any(lose and total + (len(rows) - 1) * g < 0 for lose, g in zip(lost, gains))
 
     def _plain_due(self, rows: int) -> bool:
-        since = self.costs.measured_since(rows)
-        return since is None or since >= GUARD_MEMORY
+        since = self.costs.measured_since(rows)  # YOUNG steps first: one set what a guard compared
+        # with, and one 3x slow (a 10 ms stall on a 4 ms step) had a random draft read 1.29x plain
+        return since is None or since >= GUARD_MEMORY or self.costs.plain_steps(rows) < YOUNG
 
     def _count_waits(self, rows: list[PlanRow], ks: list[int], guards: dict[str, Guard]) -> None:
         drafted = {row.method for row, k in zip(rows, ks) if k}
