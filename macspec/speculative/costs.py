@@ -133,16 +133,12 @@ class StepCosts:
         """Whether any cell of `chain` was seeded or measured."""
         return any(c == chain for c, _, _ in self.cells)
 
-    def plain_steps(self, rows: int) -> float:
-        """Plain steps measured at this batch bucket (a cell's counted up to COST_MEMORY)."""
-        return sum(cell.steps for (chain, r, window), cell in self.cells.items()
-                   if not chain and window == 1 and bucket(r) == bucket(rows))
-
-    def measured_since(self, rows: int) -> int | None:
-        """Steps since a plain step was measured at this batch bucket (None: never)."""
-        lasts = [cell.last for (chain, r, window), cell in self.cells.items()
+    def plain_measured(self, rows: int) -> tuple[int | None, float]:
+        """At this batch bucket: steps since a plain step was measured (None: never), and how many
+        were (a cell's counted up to COST_MEMORY)."""
+        cells = [cell for (chain, r, window), cell in self.cells.items()
                  if not chain and window == 1 and cell.steps and bucket(r) == bucket(rows)]
-        return self.clock - max(lasts) if lasts else None
+        return (self.clock - max(c.last for c in cells) if cells else None), sum(c.steps for c in cells)
 
     def seconds(self, chain: str, rows: int, window: int) -> float:
         return self.base(chain, rows, window) * self.load

@@ -245,9 +245,9 @@ class Policy:
         return any(lose and total + (len(rows) - 1) * g < 0 for lose, g in zip(lost, gains))
 
     def _plain_due(self, rows: int) -> bool:
-        since = self.costs.measured_since(rows)  # YOUNG steps first: one set what a guard compared
-        # with, and one 3x slow (a 10 ms stall on a 4 ms step) had a random draft read 1.29x plain
-        return since is None or since >= GUARD_MEMORY or self.costs.plain_steps(rows) < YOUNG
+        since, measured = self.costs.plain_measured(rows)  # YOUNG steps first: one set what a guard
+        # compared with, and one 3x slow (a 10 ms stall on a 4 ms step) had a random draft read 1.29x plain
+        return measured < YOUNG or since >= GUARD_MEMORY
 
     def _count_waits(self, rows: list[PlanRow], ks: list[int], guards: dict[str, Guard]) -> None:
         drafted = {row.method for row, k in zip(rows, ks) if k}
