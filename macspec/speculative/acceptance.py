@@ -11,7 +11,7 @@ import math
 
 ALPHA_PRIOR = 0.7  # a position nothing has measured: optimistic, so that drafting is tried
 PRIOR_TRIALS = 3.0  # the least a start weighs, in observations: the first real ones move it at once
-REQUEST_MEMORY = 16.0  # steps a request's estimate averages over (a stretch, not a word)
+STRETCH = 16.0  # steps a stretch spans, not a word: what a request's estimate and a step-cost cell average over
 METHOD_MEMORY = 200.0  # observations a method's prior across requests averages over
 
 
@@ -45,7 +45,7 @@ class Acceptance:
     requests: see share_weight(); a request its own drafts show unlike its start weighs it least
     (start_weight())."""
 
-    def __init__(self, starts: list[float] | None = None, memory: float = REQUEST_MEMORY):
+    def __init__(self, starts: list[float] | None = None, memory: float = STRETCH):
         starts = list(starts) if starts else [ALPHA_PRIOR]
         self.start = starts[0]
         self.ratios = [b / a if a > 0 else 1.0 for a, b in zip(starts, starts[1:])]
@@ -72,7 +72,7 @@ class Acceptance:
     def start_weight(self) -> float:
         """`weight`, or PRIOR_TRIALS where its own first drafts over its life make the start
         unlikely: a chance under 1 in METHOD_MEMORY (the Chernoff bound exp(-n KL(own || start))).
-        Decayed, its evidence weighs at most REQUEST_MEMORY, so a start of that weight held a
+        Decayed, its evidence weighs at most STRETCH, so a start of that weight held a
         request whose drafts never landed at ~0.2 among ones accepting 0.3, near break-even:
         it drafted a quarter of its steps and held the others' windows (a burst of three on
         SmolLM2's step costs: 0.960x plain, 0.977x with this; simulated)."""
@@ -94,16 +94,13 @@ class Acceptance:
     def observe(self, drafted: int, accepted: int) -> None:
         """A step verified `drafted` drafts and accepted the first `accepted`: positions up to the
         first rejection were reached (none for a step that drafted nothing: it ages the rest)."""
-        while len(self.trials) < drafted:
-            self.hits.append(0.0)
-            self.trials.append(0.0)
+        grow = [0.0] * (drafted - len(self.trials))  # positions reached for the first time
         if drafted:
             self.drafted += 1
             self.first_hits += accepted > 0
         decay = self.decay if drafted else self.idle_decay
-        for i in range(len(self.trials)):
-            self.hits[i] *= decay
-            self.trials[i] *= decay
+        self.hits = [h * decay for h in self.hits] + grow
+        self.trials = [t * decay for t in self.trials] + grow
         for i in range(min(accepted + 1, drafted)):
             self.hits[i] += 1.0 if i < accepted else 0.0
             self.trials[i] += 1.0
@@ -128,7 +125,7 @@ def share_weight(estimates: list[Acceptance], finished: list[Acceptance] = (), p
     """Shrink these requests' estimates (one method's live requests, one draft kind) toward what
     its requests accept together, by as much as they are alike, as empirical Bayes does: each
     one's start becomes the first-position acceptance of the method's drafts (`prior`, over all of
-    them; without one, the pooled acceptance of these requests), weighing up to REQUEST_MEMORY
+    them; without one, the pooled acceptance of these requests), weighing up to STRETCH
     pseudo-trials (its own evidence's most) where they accept alike, so a run of rejections is
     one request's luck, and PRIOR_TRIALS where they differ, so its own evidence rules at once.
     Not the pool's own mean: after 16 clients, two finished requests counted (7.7 trials, their
@@ -149,8 +146,8 @@ def share_weight(estimates: list[Acceptance], finished: list[Acceptance] = (), p
     spread = sum((h / t - mean) ** 2 for h, t in measured) / len(measured)
     luck = sum(mean * (1.0 - mean) / t for _, t in measured) / len(measured)  # binomial noise
     between = spread - luck
-    weight = REQUEST_MEMORY if between <= 0 else mean * (1.0 - mean) / between - 1.0
-    weight = min(REQUEST_MEMORY, max(PRIOR_TRIALS, weight))
+    weight = STRETCH if between <= 0 else mean * (1.0 - mean) / between - 1.0
+    weight = min(STRETCH, max(PRIOR_TRIALS, weight))
     start = prior.alphas(1)[0] if prior is not None else mean
     for estimate in estimates:
         estimate.start, estimate.weight = start, weight

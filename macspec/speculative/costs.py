@@ -47,7 +47,7 @@ followed over LOAD_MEMORY steps and shared by every cell. A cell is read at toda
 not run while a neighbour slowed the machine reads slower too: before, only the cells a loaded
 step met moved, and a window of 2 measured earlier read 1.30-1.37x a plain step where it cost
 1.4x (EAGLE-3 then drafted at 0.30-0.38 acceptance; SmolLM2, tools at four clients through
-serve, traced). Only a cell measured COST_MEMORY times moves the load: a young cell off by its
+serve, traced). Only a cell measured STRETCH times moves the load: a young cell off by its
 first steps' noise read its stretches as the machine's load and kept its error (a window of 2
 costing 1.40x a plain step whose first step read 15 % fast was read at 1.32-1.36x through
 stretches of 4-63 steps, by the table and by the guard; tests/test_policy.py).
@@ -59,7 +59,8 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-COST_MEMORY = 16.0  # steps a cell averages over: a step's noise (±15 % here) averages out
+from .acceptance import STRETCH
+
 LOAD_MEMORY = 4.0  # steps the machine's load is followed over: a neighbour's burst lasts seconds
 ONE_OFF = 4.0  # a step this many times its cell's expected cost did one-off work (a GPU's kernels)
 YOUNG = 3  # a cell's first steps read as their median, and plain decoding is measured that often
@@ -113,9 +114,9 @@ class StepCosts:
                     self._rescale_seeds(rows, cell.seconds / cell.first[0])
                 cell.first = []
             return True
-        if cell.steps >= COST_MEMORY:  # the load is read off cells measured well (see above)
+        if cell.steps >= STRETCH:  # the load is read off cells measured well (see above)
             self.load *= (seconds / (cell.seconds * self.load)) ** (1.0 / LOAD_MEMORY)
-        cell.steps = min(cell.steps + 1.0, COST_MEMORY)
+        cell.steps = min(cell.steps + 1.0, STRETCH)
         cell.seconds += (seconds / self.load - cell.seconds) / cell.steps
         return True
 
@@ -135,7 +136,7 @@ class StepCosts:
 
     def plain_measured(self, rows: int) -> tuple[int | None, float]:
         """At this batch bucket: steps since a plain step was measured (None: never), and how many
-        were (a cell's counted up to COST_MEMORY)."""
+        were (a cell's counted up to STRETCH)."""
         cells = [cell for (chain, r, window), cell in self.cells.items()
                  if not chain and window == 1 and cell.steps and bucket(r) == bucket(rows)]
         return (self.clock - max(c.last for c in cells) if cells else None), sum(c.steps for c in cells)

@@ -27,7 +27,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from .acceptance import METHOD_MEMORY, PRIOR_TRIALS, REQUEST_MEMORY, expected_tokens
+from .acceptance import METHOD_MEMORY, PRIOR_TRIALS, STRETCH, expected_tokens
 from .costs import YOUNG, StepCosts, bucket
 
 logger = logging.getLogger(__name__)
@@ -221,7 +221,7 @@ class Policy:
         once per row; each such request alone: summed, three a little behind held 16 rows). A
         draining burst ends with its last request, so its lost second is everyone's: on pace, at the
         margin, it paid for the others' windows (SmolLM2's MTP on json at four clients, 0.92x spec
-        off on its own server). The batch drains once no request joined for REQUEST_MEMORY steps and
+        off on its own server). The batch drains once no request joined for STRETCH steps and
         one left since (none took its place); a `probe` waits for the quiet alone. While none left,
         the finished ones' places may be taken at once (serve's clients): holding the window for the
         last, DFlash decoded 87 of 107 four-row SmolLM2 steps plainly. While requests join, its
@@ -231,7 +231,7 @@ class Policy:
         0.93x)."""
         behind = [row.pace is not None and row.pace.behind for row in rows]
         last = max(row.left for row in rows)
-        drains = last < math.inf and self.since_join >= REQUEST_MEMORY and (probe or len(rows) < self.rows_at_join)
+        drains = last < math.inf and self.since_join >= STRETCH and (probe or len(rows) < self.rows_at_join)
         if not drains and not any(behind):
             return False  # the common case, asked once per candidate window: nothing to price
         plain_s = self.costs.seconds("", len(rows), 1)
@@ -283,7 +283,7 @@ class Policy:
                 guard.probe_left -= 1
                 if not guard.probe_left:
                     verdict = self._judge(method, guard, ended_probe=True)
-            elif guard.steps >= REQUEST_MEMORY:  # a stretch, not a word: a 4-step verdict turned a
+            elif guard.steps >= STRETCH:  # a stretch, not a word: a 4-step verdict turned a
                 # head off in its hard stretches where it paid 1.2x overall (simulated)
                 verdict = self._judge(method, guard, ended_probe=False)
             if guard.k_max != was:
@@ -379,17 +379,15 @@ class Policy:
     def explain(self, method: str, rows: int = 1) -> str:
         """One line on where `method` stands at this batch size, for a stats line."""
         guard = self.guards.get((method, bucket(rows)))
-        if guard is None:
-            return "not measured yet"
-        speedup = self.speedup(guard.tally)
+        speedup = self.speedup(guard.tally) if guard else None
         measured = (f"measured {speedup:.2f}x plain" if speedup else f"last measured {guard.last:.2f}x plain"
-                    if guard.last else "not measured yet")  # a probe starts its tally afresh
-        if guard.state in ("off", "idle", "capped"):
-            why = {"idle": " (no gain expected at the measured acceptance)",
-                   "capped": " at its first draft (its deeper windows lost)"}.get(guard.state, "")
-            return (f"{guard.state} at batch {rows}: {measured}{why}; probed again within "
-                    f"{guard.interval - guard.waited} steps")
-        return f"{guard.state} at batch {rows}: {measured}"
+                    if guard and guard.last else "not measured yet")  # a probe starts its tally afresh
+        why = {"off": "", "idle": " (no gain expected at the measured acceptance)",
+               "capped": " at its first draft (its deeper windows lost)"}
+        if guard is None or guard.state not in why:
+            return f"{guard.state} at batch {rows}: {measured}" if guard else measured
+        return (f"{guard.state} at batch {rows}: {measured}{why[guard.state]}; probed again within "
+                f"{guard.interval - guard.waited} steps")
 
     def as_dict(self) -> dict:
         guards: dict = {}

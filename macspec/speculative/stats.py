@@ -25,9 +25,9 @@ class SpecStats:
         self.num_spec_steps += 1
         self.num_drafted += k
         self.num_accepted += accepted
-        while len(self.drafted_per_position) < k:
-            self.drafted_per_position.append(0)
-            self.accepted_per_position.append(0)
+        grow = [0] * (k - len(self.drafted_per_position))  # positions drafted for the first time
+        self.drafted_per_position += grow
+        self.accepted_per_position += grow
         for i in range(k):
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += int(i < accepted)
