@@ -117,6 +117,9 @@ def step_figures(before: dict | None, after: dict | None) -> dict:
             "prefill_s": round(prefill_s - prefill_was, 3), "decode_s": round(decode_s - decode_was, 3),
             # of decode_s, proposers taking rows on and catching them up (timed apart from the steps)
             "catch_up_s": round(after.get("catch_up_s", 0.0) - before.get("catch_up_s", 0.0), 3),
+            # where a decode step's time went, ms a step (engine.py's parts, prefill apart)
+            "parts_ms": {part: round((ms - before["time_ms"][part]) / max(steps, 1), 2)
+                         for part, ms in after["time_ms"].items() if part != "prefill"},
             "windows": window_mix(before["steps_by_window"], after["steps_by_window"])}
 
 
@@ -332,7 +335,8 @@ def main() -> None:
                 table[name][c] = row = mean_row(table[name][c])
                 extra_text = (f"  {row['syncs_per_step']} syncs/step, mean k {row['mean_k']}, "
                               f"{row['tokens_per_step']} tok/row-step, engine {row['decode_s']} s decode ({row['catch_up_s']} catch-up) + "
-                              f"{row['prefill_s']} s prefill of {row['wall_s']} s" if "syncs_per_step" in row else "")
+                              f"{row['prefill_s']} s prefill of {row['wall_s']} s; a step's ms {row['parts_ms']}"
+                              if "syncs_per_step" in row else "")
                 print(f"{name:22s} c={c:2d}  {row['tok_per_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50_ms']} ms "
                       f"p95 {row['ttft_p95_ms']} ms  errors {len(row['errors'])}{extra_text}", flush=True)
                 if row.get("windows"):
