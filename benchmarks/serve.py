@@ -120,6 +120,9 @@ def step_figures(before: dict | None, after: dict | None) -> dict:
             # where a decode step's time went, ms a step (engine.py's parts, prefill apart)
             "parts_ms": {part: round((ms - before["time_ms"][part]) / max(steps, 1), 2)
                          for part, ms in after["time_ms"].items() if part != "prefill"},
+            # decode steps whose best window (or a due probe) a request behind its pace vetoed
+            "held_by_pace": (after.get("policy", {}).get("steps_held_by_pace", 0)
+                             - before.get("policy", {}).get("steps_held_by_pace", 0)),
             "windows": window_mix(before["steps_by_window"], after["steps_by_window"])}
 
 
@@ -193,13 +196,15 @@ def fixed_k_variant(entry: str) -> tuple[str, dict]:
 
 
 def mean_row(rows: list[dict]) -> dict:
-    """Throughput averaged over the repeats (the other figures from the last one)."""
+    """Throughput and a step's parts averaged over the repeats, steps summed (the other figures from the last one)."""
     row = dict(rows[-1])
     row["answers"] = [a for r in rows for a in r["answers"]]
     row["tok_per_s_all"] = [r["tok_per_s"] for r in rows]
     row["tok_per_s"] = round(statistics.mean(row["tok_per_s_all"]), 1)
     if "windows" in row:  # summed over the repeats
         row["windows"] = merge([r["windows"] for r in rows])
+        row["held_by_pace"] = sum(r["held_by_pace"] for r in rows)
+        row["parts_ms"] = {part: round(statistics.mean(r["parts_ms"][part] for r in rows), 2) for part in row["parts_ms"]}
     return row
 
 
@@ -335,7 +340,8 @@ def main() -> None:
                 table[name][c] = row = mean_row(table[name][c])
                 extra_text = (f"  {row['syncs_per_step']} syncs/step, mean k {row['mean_k']}, "
                               f"{row['tokens_per_step']} tok/row-step, engine {row['decode_s']} s decode ({row['catch_up_s']} catch-up) + "
-                              f"{row['prefill_s']} s prefill of {row['wall_s']} s; a step's ms {row['parts_ms']}"
+                              f"{row['prefill_s']} s prefill of {row['wall_s']} s; {row['held_by_pace']} steps held by pace; "
+                              f"a step's ms {row['parts_ms']}"
                               if "syncs_per_step" in row else "")
                 print(f"{name:22s} c={c:2d}  {row['tok_per_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50_ms']} ms "
                       f"p95 {row['ttft_p95_ms']} ms  errors {len(row['errors'])}{extra_text}", flush=True)
