@@ -204,7 +204,8 @@ def mean_row(rows: list[dict]) -> dict:
     if "windows" in row:  # summed over the repeats
         row["windows"] = merge([r["windows"] for r in rows])
         row["held_by_pace"] = sum(r["held_by_pace"] for r in rows)
-        row["parts_ms"] = {part: round(statistics.mean(r["parts_ms"][part] for r in rows), 2) for part in row["parts_ms"]}
+        row["parts_ms"] = {part: round(statistics.mean(r["parts_ms"][part] for r in rows), 2)
+                           for part in row["parts_ms"]}
     return row
 
 

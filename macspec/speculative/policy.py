@@ -379,13 +379,15 @@ class Policy:
     def explain(self, method: str, rows: int = 1) -> str:
         """One line on where `method` stands at this batch size, for a stats line."""
         guard = self.guards.get((method, bucket(rows)))
-        speedup = self.speedup(guard.tally) if guard else None
+        if guard is None:
+            return "not measured yet"
+        speedup = self.speedup(guard.tally)
         measured = (f"measured {speedup:.2f}x plain" if speedup else f"last measured {guard.last:.2f}x plain"
-                    if guard and guard.last else "not measured yet")  # a probe starts its tally afresh
+                    if guard.last else "not measured yet")  # a probe starts its tally afresh
         why = {"off": "", "idle": " (no gain expected at the measured acceptance)",
                "capped": " at its first draft (its deeper windows lost)"}
-        if guard is None or guard.state not in why:
-            return f"{guard.state} at batch {rows}: {measured}" if guard else measured
+        if guard.state not in why:
+            return f"{guard.state} at batch {rows}: {measured}"
         return (f"{guard.state} at batch {rows}: {measured}{why[guard.state]}; probed again within "
                 f"{guard.interval - guard.waited} steps")
 
