@@ -61,11 +61,8 @@ class Acceptance:
         out: list[float] = []
         for i in range(depth):
             hits, trials = (self.hits[i], self.trials[i]) if i < len(self.trials) else (0.0, 0.0)
-            if i:
-                ratio = self.ratios[i - 1] if i <= len(self.ratios) else 1.0
-                pseudo, weight = min(1.0, out[-1] * ratio), PRIOR_TRIALS
-            else:
-                pseudo, weight = self.start, self.start_weight()
+            ratio = self.ratios[i - 1] if 0 < i <= len(self.ratios) else 1.0  # a deeper position: its predecessor's
+            pseudo, weight = (min(1.0, out[-1] * ratio), PRIOR_TRIALS) if i else (self.start, self.start_weight())
             out.append((hits + pseudo * weight) / (trials + weight))
         return out
 
@@ -79,10 +76,8 @@ class Acceptance:
         if not self.drafted or self.weight <= PRIOR_TRIALS:
             return self.weight
         own = self.first_hits / self.drafted
-        if self.start in (0.0, 1.0):
-            unlike = own != self.start
-        else:
-            unlike = self.drafted * _divergence(own, self.start) > math.log(METHOD_MEMORY)
+        unlike = (own != self.start if self.start in (0.0, 1.0)
+                  else self.drafted * _divergence(own, self.start) > math.log(METHOD_MEMORY))
         return PRIOR_TRIALS if unlike else self.weight
 
     def measured(self, depth: int) -> list[float]:
@@ -115,10 +110,7 @@ def observe_step(estimates: dict[str, Acceptance], kind: str | None, drafted: in
     """One step of a request: the kind it drafted (None: none) observes its outcome, and every
     other estimate of the request ages."""
     for other, estimate in estimates.items():
-        if other == kind:
-            estimate.observe(drafted, accepted)
-        else:
-            estimate.observe(0, 0)
+        estimate.observe(*((drafted, accepted) if other == kind else (0, 0)))
 
 
 def share_weight(estimates: list[Acceptance], finished: list[Acceptance] = (), prior: Acceptance | None = None) -> None:

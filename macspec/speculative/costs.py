@@ -156,7 +156,8 @@ class StepCosts:
         at_window = {r: ws[window] for r, ws in by_rows.items() if window in ws}
         if at_window and min(at_window) <= rows <= max(at_window):  # known on both sides
             return _interpolate(at_window, rows)
-        value = _interpolate({r: _at_or_below(ws, window) for r, ws in by_rows.items()}, rows)
+        value = _interpolate({r: ws[max((w for w in ws if w <= window), default=min(ws))]  # nearest below
+                              for r, ws in by_rows.items()}, rows)
         if value is None:
             return self.base("", rows, window) if chain else 1.0  # nothing measured: all alike
         return value
@@ -171,11 +172,6 @@ class StepCosts:
             out.setdefault(chain or "none", {}).setdefault(str(rows), {})[str(window)] = \
                 round(seconds * 1e3, 3) if self.cells[chain, rows, window].steps else f"{seconds * 1e3:.3f} (seed)"
         return out
-
-
-def _at_or_below(points: dict[int, float], x: int) -> float:
-    """The nearest known point at or below x (the lowest one above it, with none below)."""
-    return points[max((p for p in points if p <= x), default=min(points))]
 
 
 def _interpolate(points: dict[int, float], x: int) -> float | None:

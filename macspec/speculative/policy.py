@@ -99,14 +99,12 @@ class Tally:
         alone, its seconds, a window of 2's)."""
         for r in self.units:
             self.units[r], self.firsts[r] = self.units[r] * DECAY, self.firsts[r] * DECAY
-        self.squares, self.weight = self.squares * DECAY, self.weight * DECAY
-        self.spent_s, self.first_s = self.spent_s * DECAY, self.first_s * DECAY
+        per_row, firsts, spent_s, first_s = step or (0.0,) * 4
         if step:
-            per_row, firsts, spent_s, first_s = step
             self.units[rows] = self.units.get(rows, 0.0) + per_row
             self.firsts[rows] = self.firsts.get(rows, 0.0) + firsts
-            self.squares, self.weight = self.squares + per_row ** 2, self.weight + 1.0
-            self.spent_s, self.first_s = self.spent_s + spent_s, self.first_s + first_s
+        self.squares, self.weight = self.squares * DECAY + per_row ** 2, self.weight * DECAY + bool(step)
+        self.spent_s, self.first_s = self.spent_s * DECAY + spent_s, self.first_s * DECAY + first_s
 
     @property
     def noise(self) -> float:
@@ -296,9 +294,8 @@ class Policy:
         they took, both at the table's load (None: plain decoding never measured). `first`: what
         their first drafts alone would have committed, over what windows of 2 cost in the table."""
         units, spent_s = (tally.firsts, tally.first_s) if first else (tally.units, tally.spent_s)
-        if not spent_s or not self.costs.knows(""):
-            return None
-        return sum(n * self.costs.base("", rows, 1) for rows, n in units.items()) / spent_s
+        known = spent_s and self.costs.knows("")
+        return sum(n * self.costs.base("", r, 1) for r, n in units.items()) / spent_s if known else None
 
     def _judge(self, method: str, guard: Guard, ended_probe: bool) -> float | None:
         """A probe backs off (losing) or resets the interval and lifts a method's cap; only the
@@ -371,9 +368,7 @@ class Policy:
         """Behind `bar` (1.0: plain) by the margin even one standard error up. A step commits 1 to
         k + 1 tokens, so 16 steps of a head worth 1.1x read ~0.95 often (~14 % error at one row); a
         proposer whose drafts never land commits 1 every step: no noise, stopped at once."""
-        if speedup is None or bar is None:
-            return False
-        return speedup * (1.0 + guard.tally.noise) < (1.0 - GUARD_MARGIN) * bar
+        return None not in (speedup, bar) and speedup * (1.0 + guard.tally.noise) < (1.0 - GUARD_MARGIN) * bar
 
     # ---- reporting ---------------------------------------------------------------------------
     def explain(self, method: str, rows: int = 1) -> str:
