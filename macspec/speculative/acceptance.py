@@ -61,7 +61,7 @@ class Acceptance:
         out: list[float] = []
         for i in range(depth):
             hits, trials = (self.hits[i], self.trials[i]) if i < len(self.trials) else (0.0, 0.0)
-            ratio = self.ratios[i - 1] if 0 < i <= len(self.ratios) else 1.0  # a deeper position: its predecessor's
+            ratio = self.ratios[i - 1] if 0 < i <= len(self.ratios) else 1.0  # deeper: predecessor x prior's ratio
             pseudo, weight = (min(1.0, out[-1] * ratio), PRIOR_TRIALS) if i else (self.start, self.start_weight())
             out.append((hits + pseudo * weight) / (trials + weight))
         return out
