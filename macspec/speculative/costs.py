@@ -156,8 +156,7 @@ class StepCosts:
         at_window = {r: ws[window] for r, ws in by_rows.items() if window in ws}
         if at_window and min(at_window) <= rows <= max(at_window):  # known on both sides
             return _interpolate(at_window, rows)
-        value = _interpolate({r: ws[max((w for w in ws if w <= window), default=min(ws))]  # nearest below
-                              for r, ws in by_rows.items()}, rows)
+        value = _interpolate({r: ws[_at_or_below(ws, window)] for r, ws in by_rows.items()}, rows)
         if value is None:
             return self.base("", rows, window) if chain else 1.0  # nothing measured: all alike
         return value
@@ -174,10 +173,15 @@ class StepCosts:
         return out
 
 
+def _at_or_below(points: dict[int, float], x: int) -> int:
+    """The nearest known point at or below x (the lowest, with none below)."""
+    return max((p for p in points if p <= x), default=min(points))
+
+
 def _interpolate(points: dict[int, float], x: int) -> float | None:
     """Linear between the nearest known points around x; flat beyond them; None with none."""
     if not points:
         return None
-    lo = max((p for p in points if p <= x), default=min(points))  # none below: the lowest, flat
+    lo = _at_or_below(points, x)  # none below: the lowest, flat
     hi = min((p for p in points if p >= x), default=max(points))  # none above: the highest
     return points[lo] if lo == hi else points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
