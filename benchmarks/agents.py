@@ -25,8 +25,10 @@ at start-up, as a user's) and without the repetition penalty (an agent restating
 free to repeat it); mtp runs as the shipped profile does (adaptive, k <= 1), ngram up to 4,
 suffix and mtp+suffix up to suffix_max_tokens. `control` is a second spec-off server taking its
 turns as a method does (an A/A comparison): how far its ratio to none strays is what a cell's
-ratio can stray by noise alone, and it is not held to the bar. Two servers' plain steps here
-differ by up to 10-15 % at three rows (2026-12-06), and that is in every ratio between servers:
+ratio can stray by noise alone, and it is not held to the bar; after the table each method's
+per-repeat ratios are pooled over the workloads (mean ± standard error), the control's beside
+them. Two servers' plain steps here differ by up to 10-15 % at three rows (2026-12-06), and
+that is in every ratio between servers:
 `--baseline own` divides each method by spec-off requests sent to its own server instead, taking
 turns with its own (the prefix cache off, so neither arm's prompts are the other's cache hits;
 a lookup's recent answers hold only its own requests').
@@ -286,6 +288,18 @@ def miss_line(name: str, c: int, method: str, runs: list[dict], base: list[dict]
             f"{len(runs)} run(s); steps: {window_line(merge([r[name]['steps'] for r in runs]))}")
 
 
+def pooled_lines(table: list[dict]) -> list[str]:
+    """Each method's per-repeat ratios over every workload at a (temperature, concurrency), their
+    mean ± standard error: one cell's three repeats stray as far as the bar is from 1 (the control's
+    ran 0.89-1.32 at four clients, 2026-12-07 night), the pooled mean is what a method costs there."""
+    pooled: dict[tuple, list[float]] = {}
+    for row in table:
+        if row["method"] != "none" and row["ratios"]:
+            pooled.setdefault((row["temperature"], row["concurrency"], row["method"]), []).extend(row["ratios"])
+    return [f"- T {t:g}, c = {c}, {m}: {statistics.mean(xs):.3f}{spread(xs)} over {len(xs)} (workload, repeat) pairs"
+            for (t, c, m), xs in pooled.items()]
+
+
 def merged(runs: list[dict]) -> dict:
     """One workload's repeats -> the median throughput, the speculation figures of the run with
     that throughput (all runs' answers must agree to count as the same text)."""
@@ -379,6 +393,8 @@ def main(argv=None) -> None:
     if misses:  # after the table: what the engine did in each row under the bar
         print(f"\nUnder {BAR} of spec off (each window's steps: count x its cost ÷ a plain step's at the same rows, "
               "tokens a row):", *misses, sep="\n")
+    print(f"\nPooled over the workloads (every per-repeat ratio to {divisor}; the control's is what noise "
+          "alone reads):", *pooled_lines(table), sep="\n")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(table, indent=2))
     shutil.rmtree(work, ignore_errors=True)
