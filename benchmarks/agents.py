@@ -393,8 +393,10 @@ def main(argv=None) -> None:
     if misses:  # after the table: what the engine did in each row under the bar
         print(f"\nUnder {BAR} of spec off (each window's steps: count x its cost ÷ a plain step's at the same rows, "
               "tokens a row):", *misses, sep="\n")
-    print(f"\nPooled over the workloads (every per-repeat ratio to {divisor}; the control's is what noise "
-          "alone reads):", *pooled_lines(table), sep="\n")
+    pooled = pooled_lines(table)
+    if pooled:  # none without a spec-off arm to divide by
+        print(f"\nPooled over the workloads (every per-repeat ratio to {divisor}; the control's is what noise "
+              "alone reads):", *pooled, sep="\n")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(table, indent=2))
     shutil.rmtree(work, ignore_errors=True)
